@@ -1,0 +1,8 @@
+"""diffgemma: an inference engine for DiffusionGemma, the block-diffusion Gemma 4 MoE."""
+
+from diffgemma.config import ModelConfig, SamplerConfig
+from diffgemma.engine.engine import Engine, load
+from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo
+
+__all__ = ["CancelToken", "Engine", "GenerateOutput", "ModelConfig", "SamplerConfig", "StepInfo", "load"]
+__version__ = "0.1.0"

@@ -1,0 +1,332 @@
+"""Model and sampler configuration, read from a checkpoint directory, plus `DIFFGEMMA_*` overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+# The config format's documented default when `canvas_length` is absent (transformers' DiffusionGemmaConfig).
+FORMAT_DEFAULT_CANVAS_LENGTH = 256
+
+
+class ConfigError(ValueError):
+    """A checkpoint's config or an override is invalid."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return data
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    rope_type: str  # "default" or "proportional"
+    theta: float
+    partial_rotary_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    layer_types: tuple[str, ...]
+    head_dims: tuple[int, ...]  # per layer
+    num_kv_heads: tuple[int, ...]  # per layer
+    sliding_window: int
+    rope: dict[str, RopeConfig]  # by layer type
+    num_experts: int
+    top_k_experts: int
+    moe_intermediate_size: int
+    canvas_length: int
+    rms_norm_eps: float = 1e-6
+    final_logit_softcapping: float = 30.0
+    tie_word_embeddings: bool = True
+    hidden_activation: str = "gelu_pytorch_tanh"
+    pad_token_id: int = 0
+    bos_token_id: int = 2
+    eos_token_ids: tuple[int, ...] = (1,)
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types[layer] == SLIDING
+
+    @property
+    def sliding_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_sliding(i)]
+
+    @property
+    def full_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if not self.is_sliding(i)]
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        return cls.from_dict(_read_json(Path(path) / "config.json"))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """Accepts the real checkpoint's spelling (`global_head_dim`, `num_global_key_value_heads`) and
+        transformers' (`per_layer_config`), nested under `text_config` or flat."""
+        tc = data.get("text_config", data)
+        if not isinstance(tc, dict):
+            raise ConfigError("config.json: text_config must be an object")
+
+        def need(key: str, typ: type = int) -> Any:
+            if key not in tc or tc[key] is None:
+                raise ConfigError(f"config.json: text_config.{key} is required")
+            value = tc[key]
+            if typ is int and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ConfigError(f"config.json: text_config.{key} must be a positive integer, got {value!r}")
+            return value
+
+        n_layers = need("num_hidden_layers")
+        layer_types = tc.get("layer_types")
+        if layer_types is None:  # transformers' default pattern: every sixth layer is full
+            layer_types = [SLIDING if (i + 1) % 6 else FULL for i in range(n_layers)]
+        if len(layer_types) != n_layers or any(t not in (SLIDING, FULL) for t in layer_types):
+            raise ConfigError(f"config.json: layer_types must list {n_layers} of {SLIDING!r}/{FULL!r}")
+        if tc.get("use_bidirectional_attention") == "all":
+            raise ConfigError("config.json: use_bidirectional_attention='all' is not supported")
+
+        head_dim = need("head_dim")
+        kv_heads = need("num_key_value_heads")
+        head_dims = [head_dim] * n_layers
+        kv = [kv_heads] * n_layers
+        per_layer = tc.get("per_layer_config")
+        if per_layer is not None:
+            for key, overrides in per_layer.items():
+                idx = [i for i, t in enumerate(layer_types) if t == key] if key in (SLIDING, FULL) else [int(key)]
+                for i in idx:
+                    head_dims[i] = int(overrides.get("head_dim", head_dims[i]))
+                    kv[i] = int(overrides.get("num_key_value_heads", kv[i]))
+        else:
+            g_head_dim = int(tc.get("global_head_dim") or 512)
+            g_kv = tc.get("num_global_key_value_heads")
+            if tc.get("attention_k_eq_v", True) is False:
+                g_kv = None
+            for i, t in enumerate(layer_types):
+                if t == FULL:
+                    head_dims[i] = g_head_dim
+                    if g_kv is not None:
+                        kv[i] = int(g_kv)
+
+        rope_params = tc.get("rope_parameters") or {
+            SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+        }
+        rope = {}
+        for lt in set(layer_types):
+            p = rope_params.get(lt)
+            if p is None:
+                raise ConfigError(f"config.json: rope_parameters.{lt} is missing")
+            rtype = p.get("rope_type", "default")
+            if rtype not in ("default", "proportional"):
+                raise ConfigError(f"config.json: rope_type {rtype!r} is not supported")
+            rope[lt] = RopeConfig(rtype, float(p["rope_theta"]), float(p.get("partial_rotary_factor", 1.0)))
+
+        n_heads = need("num_attention_heads")
+        for i in range(n_layers):
+            if n_heads % kv[i]:
+                raise ConfigError(f"layer {i}: {n_heads} query heads are not a multiple of {kv[i]} kv heads")
+
+        eos = tc.get("eos_token_id", data.get("eos_token_id", 1))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
+        canvas = data.get("canvas_length", tc.get("canvas_length", FORMAT_DEFAULT_CANVAS_LENGTH))
+        if not isinstance(canvas, int) or canvas <= 0:
+            raise ConfigError(f"config.json: canvas_length must be a positive integer, got {canvas!r}")
+        activation = tc.get("hidden_activation", "gelu_pytorch_tanh")
+        if activation != "gelu_pytorch_tanh":
+            raise ConfigError(f"config.json: hidden_activation {activation!r} is not supported")
+        return cls(
+            vocab_size=need("vocab_size"),
+            hidden_size=need("hidden_size"),
+            intermediate_size=need("intermediate_size"),
+            num_layers=n_layers,
+            num_heads=n_heads,
+            layer_types=tuple(layer_types),
+            head_dims=tuple(head_dims),
+            num_kv_heads=tuple(kv),
+            sliding_window=need("sliding_window"),
+            rope=rope,
+            num_experts=need("num_experts"),
+            top_k_experts=need("top_k_experts"),
+            moe_intermediate_size=need("moe_intermediate_size"),
+            canvas_length=canvas,
+            rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
+            final_logit_softcapping=float(tc.get("final_logit_softcapping") or 30.0),
+            tie_word_embeddings=bool(data.get("tie_word_embeddings", tc.get("tie_word_embeddings", True))),
+            pad_token_id=int(tc.get("pad_token_id", 0) if tc.get("pad_token_id") is not None else 0),
+            bos_token_id=int(tc.get("bos_token_id", 2) if tc.get("bos_token_id") is not None else 2),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """The entropy-bound sampler and block loop. Defaults are the seed's; each OURS divergence of the
+    seed's §9 is a named option, and `reference()` switches every one of them off."""
+
+    entropy_bound: float = 0.1  # nats
+    max_denoising_steps: int = 48
+    t_min: float = 0.4
+    t_max: float = 0.8
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = (1, 106, 50)
+    pad_token_id: int = 0
+    # §9 divergences, seed defaults.
+    denoiser_argmax: bool = True  # 1: commit the row argmax, not a tempered categorical draw
+    first_step_sc_seed: bool = True  # 2: step 1 runs the SC MLP on the canvas's own embedding
+    plateau_steps: int = 8  # 3: stop when the accept mask is unchanged this many steps (0 = off) ...
+    plateau_mean_entropy: float = 0.05  # ... and mean entropy is below this
+    pad_gate: bool = True  # 4: an all-pad argmax canvas never early-stops
+    canvas_shrink: bool = False  # 5: MLX shrinks the last canvas to max(remaining, 64); the seed keeps it fixed
+    sc_sparse: bool = True  # 6: SC soft-embed keeps only tokens with p >= e^-10 * row max
+    prefill_f32_max_tokens: int = 256  # 7: prompts up to this long prefill with fp32 activations (0 = off)
+    entropy_stop: float = 0.05  # 9: after min_steps, stop when mean entropy < this (0 = off)
+    entropy_stop_min_steps: int = 12
+    empty_reply_retry: int = 3  # 10: re-roll a first block that opens on a stop/pad token, canvas halving
+    commit_conf_trim: float = 0.9  # 11: cut a block at the first low-confidence duplicated row (0 = off)
+
+    def reference(self) -> SamplerConfig:
+        """The same config with every divergence from the transformers reference switched off."""
+        return dataclasses.replace(
+            self,
+            denoiser_argmax=False,
+            first_step_sc_seed=False,
+            plateau_steps=0,
+            pad_gate=False,
+            canvas_shrink=False,
+            sc_sparse=False,
+            prefill_f32_max_tokens=0,
+            entropy_stop=0.0,
+            empty_reply_retry=0,
+            commit_conf_trim=0.0,
+        )
+
+    def replace(self, **changes: Any) -> SamplerConfig:
+        return dataclasses.replace(self, **changes).validated()
+
+    def validated(self) -> SamplerConfig:
+        checks = [
+            (self.entropy_bound > 0, "entropy_bound must be > 0"),
+            (self.max_denoising_steps > 0, "max_denoising_steps must be > 0"),
+            (0 <= self.t_min < self.t_max, "need 0 <= t_min < t_max"),
+            (self.stability_threshold >= 0, "stability_threshold must be >= 0"),
+            (self.confidence_threshold > 0, "confidence_threshold must be > 0"),
+            (self.max_new_tokens > 0, "max_new_tokens must be > 0"),
+            (self.plateau_steps >= 0, "plateau_steps must be >= 0"),
+            (self.entropy_stop >= 0, "entropy_stop must be >= 0"),
+            (self.empty_reply_retry >= 0, "empty_reply_retry must be >= 0"),
+            (0 <= self.commit_conf_trim < 1, "commit_conf_trim must be in [0, 1)"),
+            (self.prefill_f32_max_tokens >= 0, "prefill_f32_max_tokens must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(f"sampler config: {message}")
+        return self
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> SamplerConfig:
+        p = Path(path) / "generation_config.json"
+        return cls.from_dict(_read_json(p) if p.exists() else {})
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplerConfig:
+        """Reads generation_config.json; a field that is absent or null takes the seed default."""
+        values: dict[str, Any] = {}
+        sampler = data.get("sampler_config")
+        if isinstance(sampler, dict) and sampler.get("entropy_bound") is not None:
+            values["entropy_bound"] = float(sampler["entropy_bound"])
+        for key in ("max_denoising_steps", "stability_threshold", "max_new_tokens"):
+            if data.get(key) is not None:
+                values[key] = int(data[key])
+        for key in ("t_min", "t_max", "confidence_threshold"):
+            if data.get(key) is not None:
+                values[key] = float(data[key])
+        eos = data.get("eos_token_id")
+        if eos is not None:
+            values["stop_token_ids"] = tuple(eos) if isinstance(eos, list) else (int(eos),)
+        if data.get("pad_token_id") is not None:
+            values["pad_token_id"] = int(data["pad_token_id"])
+        return cls(**values).validated()
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment overrides: the one place `DIFFGEMMA_*` variables are read.
+
+ENV_PREFIX = "DIFFGEMMA_"
+_SAMPLER_FIELDS = {f.name: f for f in fields(SamplerConfig)}
+# Variables read elsewhere (named here so that a typo in any DIFFGEMMA_* name is caught).
+OTHER_ENV = {"DEVICE", "DTYPE", "MODEL", "HOME"}
+
+
+def _parse_env_value(name: str, raw: str, typ: Any) -> Any:
+    try:
+        if typ in (bool, "bool"):
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if typ in (int, "int"):
+            return int(raw)
+        if typ in (float, "float"):
+            value = float(raw)
+            if not math.isfinite(value):
+                raise ValueError
+            return value
+        if typ in ("tuple[int, ...]",):
+            return tuple(int(x) for x in raw.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a valid {typ if isinstance(typ, str) else typ.__name__}") from None
+    raise ConfigError(f"{name}: unsupported option type {typ}")
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Sampler overrides from `DIFFGEMMA_<FIELD>` variables. Unknown names and bad values raise."""
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        if key.upper() in OTHER_ENV:
+            continue
+        f = _SAMPLER_FIELDS.get(key)
+        if f is None:
+            known = ", ".join(sorted(ENV_PREFIX + k.upper() for k in _SAMPLER_FIELDS))
+            raise ConfigError(f"unknown environment variable {name}; known: {known}")
+        out[key] = _parse_env_value(name, raw, f.type)
+    return out
+
+
+def env_str(key: str, environ: dict[str, str] | None = None) -> str | None:
+    """A non-sampler `DIFFGEMMA_*` setting (DEVICE, DTYPE, MODEL, HOME)."""
+    assert key in OTHER_ENV, key
+    env = os.environ if environ is None else environ
+    return env.get(ENV_PREFIX + key) or None
+
+
+def load_sampler_config(path: str | Path, environ: dict[str, str] | None = None) -> SamplerConfig:
+    base = SamplerConfig.from_dir(path)
+    return dataclasses.replace(base, **env_overrides(environ)).validated()

@@ -1,0 +1,237 @@
+"""Block-autoregressive generation (seed Part II §4, §6, §7): denoise a canvas, commit, prefill, repeat."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from diffgemma.config import SamplerConfig
+from diffgemma.engine import sampler as S
+from diffgemma.engine.rng import Rng, block_seed
+from diffgemma.model.kv_cache import KVCache
+from diffgemma.model.model import DiffusionGemma
+
+MIN_CANVAS = 64  # smallest canvas the empty-reply re-roll and MLX's shrink go down to
+
+
+class CancelToken:
+    """Set from any thread; generation stops between denoise steps."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def cancel(self) -> None:
+        self._event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+
+@dataclass
+class StepInfo:
+    block: int
+    step: int  # executed steps in this block, from 1
+    temperature: float
+    argmax: torch.Tensor  # [C] on device
+    accepted: torch.Tensor  # [C] bool on device
+    mean_entropy: torch.Tensor  # 0-d on device
+
+
+@dataclass
+class BlockResult:
+    tokens: list[int]  # final commit: the argmax of the last executed step
+    p_max: list[float]
+    steps: int
+
+
+@dataclass
+class GenerateOutput:
+    token_ids: list[int]  # generated ids, stop token trimmed
+    steps: int = 0
+    blocks: int = 0
+    finish_reason: str = "length"  # "stop", "length" or "cancelled"
+    stop_token: int | None = None
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    denoise_seconds: float = 0.0
+    retries: int = 0
+    cached_tokens: int = 0  # generated tokens already prefilled into the cache (all but the last block)
+    block_steps: list[int] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        total = self.prefill_seconds + self.denoise_seconds
+        return len(self.token_ids) / total if total > 0 else 0.0
+
+
+def denoise_block(
+    model: DiffusionGemma,
+    kv: KVCache,
+    cfg: SamplerConfig,
+    seed: int,
+    canvas_len: int,
+    initial_canvas: torch.Tensor | None = None,
+    on_step: Callable[[StepInfo], None] | None = None,
+    cancel: CancelToken | None = None,
+    block_index: int = 0,
+) -> BlockResult | None:
+    """Run the entropy-bound loop on one canvas; None if cancelled. Reads `kv`, never writes it."""
+    device, vocab = model.device, model.cfg.vocab_size
+    rng = Rng(seed)
+    n = cfg.max_denoising_steps
+    # All noise for the block in one host->device copy: the initial canvas, then one row per step.
+    noise = torch.from_numpy(rng.tokens((n + 1) * canvas_len, vocab).reshape(n + 1, canvas_len)).to(device)
+    uniforms = None
+    if not cfg.denoiser_argmax:
+        uniforms = torch.from_numpy(rng.uniforms(n * canvas_len).reshape(n, canvas_len)).to(device)
+    canvas = noise[0] if initial_canvas is None else initial_canvas.to(device).reshape(-1)
+    stops = S.StopState(cfg, cfg.pad_token_id)
+    probs = None
+    stats = None
+    for i in range(n):
+        if cancel is not None and cancel.cancelled:
+            return None
+        remaining = n - i
+        temp = S.temperature(cfg, remaining)
+        if probs is not None:
+            logits = model.denoise(canvas[None], kv, sc_probs=S.sc_probs(probs, cfg.sc_sparse))
+        else:
+            logits = model.denoise(canvas[None], kv, sc_seed=cfg.first_step_sc_seed)
+        stats = S.row_stats(logits[0], temp)
+        mask = S.accept_mask(stats.entropy, cfg.entropy_bound)
+        denoised = stats.argmax if uniforms is None else S.categorical(stats.probs, uniforms[i])
+        canvas = torch.where(mask, denoised, noise[i + 1])  # renoise every non-accepted row
+        probs = stats.probs
+        stop = stops.update(i + 1, stats.argmax, stats.entropy, mask)
+        if on_step is not None:
+            on_step(StepInfo(block_index, i + 1, temp, stats.argmax, mask, stats.entropy.mean()))
+        if bool(stop):  # the one host read per step
+            break
+    assert stats is not None
+    return BlockResult(stats.argmax.tolist(), stats.p_max.tolist(), i + 1)
+
+
+def confidence_cut(tokens: list[int], p_max: list[float], tau: float, stop_ids: set[int]) -> int:
+    """Seed §9 #11: length to commit. Cut at the first row of the answer region (before any stop token) that is
+    below tau AND duplicates a neighbour's argmax; row 0 is never cut."""
+    end = next((i for i, t in enumerate(tokens) if t in stop_ids), len(tokens))
+    for i in range(1, end):
+        dup = tokens[i] == tokens[i - 1] or (i + 1 < len(tokens) and tokens[i] == tokens[i + 1])
+        if p_max[i] < tau and dup:
+            return i
+    return len(tokens)
+
+
+def _prefill(model: DiffusionGemma, ids: list[int], kv: KVCache, cfg: SamplerConfig) -> None:
+    if not ids:
+        return
+    t = torch.tensor([ids], dtype=torch.long)
+    f32 = cfg.prefill_f32_max_tokens > 0 and len(ids) <= cfg.prefill_f32_max_tokens and model.dtype != torch.float32
+    model.prefill(t, kv, compute_dtype=torch.float32 if f32 else None)
+
+
+def generate(
+    model: DiffusionGemma,
+    prompt_ids: list[int],
+    kv: KVCache,
+    cfg: SamplerConfig,
+    seed: int = 42,
+    max_new_tokens: int | None = None,
+    on_step: Callable[[StepInfo], None] | None = None,
+    on_block: Callable[[list[int]], None] | None = None,
+    cancel: CancelToken | None = None,
+    initial_canvases: list[torch.Tensor] | None = None,
+) -> GenerateOutput:
+    """Prefill `prompt_ids` (the tokens not yet in `kv`) and generate a reply.
+
+    On return `kv` holds the prompt and every committed block except the last one (which the caller prefills
+    with whatever follows it), so a cancelled or finished generation leaves the cache consistent.
+    """
+    max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
+    if max_new <= 0:
+        raise ValueError(f"max_new_tokens must be positive, got {max_new}")
+    canvas_len = model.cfg.canvas_length
+    stop_ids = set(cfg.stop_token_ids)
+    out = GenerateOutput(token_ids=[], prompt_tokens=len(prompt_ids))
+
+    t0 = time.perf_counter()
+    _prefill(model, list(prompt_ids), kv, cfg)
+    _sync(model)
+    out.prefill_seconds += time.perf_counter() - t0
+
+    max_blocks = -(-max_new // canvas_len)
+    if cfg.commit_conf_trim > 0:
+        max_blocks *= 2  # headroom for blocks the confidence trim shortens
+    pending: list[int] = []  # committed but not yet prefilled
+    for b in range(max_blocks):
+        remaining = max_new - len(out.token_ids)
+        if remaining <= 0:
+            break
+        t0 = time.perf_counter()
+        if pending:
+            _prefill(model, pending, kv, cfg)
+            pending = []
+            _sync(model)
+            out.prefill_seconds += time.perf_counter() - t0
+            t0 = time.perf_counter()
+        length = canvas_len
+        if cfg.canvas_shrink:
+            length = min(canvas_len, max(remaining, MIN_CANVAS))
+        retry = 0
+        while True:
+            initial = initial_canvases[b] if initial_canvases and b < len(initial_canvases) and retry == 0 else None
+            res = denoise_block(
+                model, kv, cfg, block_seed(seed, b, retry), length, initial, on_step, cancel, block_index=b
+            )
+            if res is None:
+                out.finish_reason = "cancelled"
+                out.cached_tokens = len(out.token_ids)
+                out.denoise_seconds += time.perf_counter() - t0
+                return out
+            out.steps += res.steps
+            out.block_steps.append(res.steps)
+            # Seed §9 #10: a first block opening on a stop/pad token re-rolls with a halved canvas.
+            empty = not out.token_ids and res.tokens[0] in stop_ids | {cfg.pad_token_id}
+            if empty and retry < cfg.empty_reply_retry:
+                retry += 1
+                out.retries += 1
+                length = max(MIN_CANVAS, length // 2) if length > MIN_CANVAS else length
+                continue
+            break
+        out.denoise_seconds += time.perf_counter() - t0
+        out.blocks += 1
+        tokens = res.tokens
+        stop_at = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
+        if stop_at is not None and cfg.commit_conf_trim > 0:
+            cut = confidence_cut(tokens, res.p_max, cfg.commit_conf_trim, stop_ids)
+            if cut < stop_at:
+                stop_at = None
+                tokens = tokens[:cut]
+        elif cfg.commit_conf_trim > 0:
+            tokens = tokens[: confidence_cut(tokens, res.p_max, cfg.commit_conf_trim, stop_ids)]
+        out.cached_tokens = len(out.token_ids)
+        if stop_at is not None:
+            kept = tokens[:stop_at][:remaining]
+            out.token_ids += kept
+            if on_block is not None:
+                on_block(kept)
+            if len(kept) == stop_at:
+                out.finish_reason, out.stop_token = "stop", tokens[stop_at]
+            return out
+        kept = tokens[:remaining]
+        out.token_ids += kept
+        if on_block is not None:
+            on_block(kept)
+        pending = kept
+    out.finish_reason = "length"
+    return out
+
+
+def _sync(model: DiffusionGemma) -> None:
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)

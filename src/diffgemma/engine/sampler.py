@@ -1,0 +1,105 @@
+"""The entropy-bound sampler (seed Part II §6): schedule, row stats, accept mask, renoise, stop rules.
+
+Everything stays on the device; the only host read per step is the stop flag.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from diffgemma.config import SamplerConfig
+
+SC_SPARSE_LOG_RATIO = -10.0  # seed §5: survivors have p >= e^-10 * row max
+
+
+def temperature(cfg: SamplerConfig, remaining: int) -> float:
+    """Linear schedule; `remaining` counts DOWN from max_steps (first step T = t_max) to 1."""
+    return cfg.t_min + (cfg.t_max - cfg.t_min) * (remaining / cfg.max_denoising_steps)
+
+
+@dataclass
+class RowStats:
+    probs: torch.Tensor  # [C, V] softmax(logits / T), fp32
+    entropy: torch.Tensor  # [C] nats
+    argmax: torch.Tensor  # [C]
+    p_max: torch.Tensor  # [C]
+
+
+def row_stats(logits: torch.Tensor, temp: float) -> RowStats:
+    """Tempered softmax, entropy, argmax and top probability per canvas row. logits [C, V] fp32."""
+    z = logits.float() / temp
+    logp = torch.log_softmax(z, dim=-1)
+    probs = logp.exp()
+    entropy = -(probs * logp).sum(-1)
+    p_max, argmax = probs.max(-1)
+    return RowStats(probs, entropy, argmax, p_max)
+
+
+def accept_mask(entropy: torch.Tensor, bound: float) -> torch.Tensor:
+    """Accept the lowest-entropy rows while the sum of the accepted entropies, less the largest, stays
+    within the bound (transformers' EntropyBoundSampler); the lowest row is always accepted."""
+    sorted_h, order = torch.sort(entropy, dim=-1)
+    keep = (torch.cumsum(sorted_h, dim=-1) - sorted_h) <= bound
+    return torch.zeros_like(keep).scatter(-1, order, keep)
+
+
+def categorical(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One draw per row by inverse CDF with the given uniforms in [0, 1)."""
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    target = uniforms.double()[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, target).clamp_max(probs.shape[-1] - 1)[:, 0]
+
+
+def sc_probs(probs: torch.Tensor, sparse: bool) -> torch.Tensor:
+    """The next step's SC probabilities; the sparse variant drops the tail below e^-10 of the row max."""
+    if not sparse:
+        return probs
+    floor = probs.max(-1, keepdim=True).values * math.exp(SC_SPARSE_LOG_RATIO)
+    return torch.where(probs >= floor, probs, torch.zeros_like(probs))
+
+
+class StopState:
+    """Early-stop rules of seed §6.6, evaluated on device tensors."""
+
+    def __init__(self, cfg: SamplerConfig, pad_id: int):
+        self.cfg = cfg
+        self.pad_id = pad_id
+        self.history: list[torch.Tensor] = []  # previous argmax canvases, newest last
+        self.prev_mask: torch.Tensor | None = None
+        self.plateau_run_t: torch.Tensor | None = None
+
+    def update(self, step: int, argmax: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """A 0-d bool tensor: stop after this step (`step` counts executed steps from 1)."""
+        cfg = self.cfg
+        mean_h = entropy.mean()
+        k = cfg.stability_threshold
+        if k == 0:
+            stable = torch.ones((), dtype=torch.bool, device=argmax.device)
+        elif len(self.history) < k:
+            stable = torch.zeros((), dtype=torch.bool, device=argmax.device)
+        else:
+            stable = torch.stack([(h == argmax).all() for h in self.history[-k:]]).all()
+        self.history = (self.history + [argmax])[-max(k, 1) :]
+        stop = stable & (mean_h < cfg.confidence_threshold)
+
+        if cfg.plateau_steps > 0:
+            same = (
+                (mask == self.prev_mask).all()
+                if self.prev_mask is not None
+                else torch.zeros((), dtype=torch.bool, device=mask.device)
+            )
+            run = self.plateau_run_t if self.plateau_run_t is not None else torch.zeros((), device=mask.device)
+            run = torch.where(same, run + 1, torch.zeros_like(run))
+            self.plateau_run_t = run
+            # "unchanged for >= N consecutive steps": N equal transitions after the first mask
+            stop |= (run >= cfg.plateau_steps) & (mean_h < cfg.plateau_mean_entropy)
+        self.prev_mask = mask
+
+        if cfg.entropy_stop > 0 and step >= cfg.entropy_stop_min_steps:
+            stop |= mean_h < cfg.entropy_stop
+        if cfg.pad_gate:
+            stop &= ~(argmax == self.pad_id).all()
+        return stop

@@ -1,0 +1,244 @@
+"""The DiffusionGemma forward: one set of weights, two attention phases.
+
+prefill(ids, kv)        causal encoder pass over new tokens; writes their K/V into the cache.
+denoise(canvas, kv, …)  bidirectional decoder pass over a canvas that also attends to the cached prefix;
+                        reads the cache, never writes it; returns softcapped logits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffgemma.config import ModelConfig
+from diffgemma.kernels import torch_ref as ops
+from diffgemma.model.kv_cache import KVCache
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Layer(nn.Module):
+    """One transformer layer. Parameter names follow the checkpoint (`model.decoder.layers.N.*`)."""
+
+    def __init__(self, cfg: ModelConfig, idx: int):
+        super().__init__()
+        h, hd, nh, nkv = cfg.hidden_size, cfg.head_dims[idx], cfg.num_heads, cfg.num_kv_heads[idx]
+        self.idx = idx
+        self.sliding = cfg.is_sliding(idx)
+        self.head_dim, self.n_heads, self.n_kv = hd, nh, nkv
+        self.q_proj = _param(nh * hd, h)
+        self.k_proj = _param(nkv * hd, h)
+        # Full layers have no v_proj: V is the raw k_proj output (rms_norm_no_scale, no RoPE).
+        self.v_proj = _param(nkv * hd, h) if self.sliding else None
+        self.o_proj = _param(h, nh * hd)
+        self.q_norm = _param(hd)
+        self.k_norm = _param(hd)
+        self.input_layernorm = _param(h)
+        self.post_attention_layernorm = _param(h)
+        self.pre_feedforward_layernorm = _param(h)
+        self.post_feedforward_layernorm = _param(h)
+        self.post_feedforward_layernorm_1 = _param(h)
+        self.pre_feedforward_layernorm_2 = _param(h)
+        self.post_feedforward_layernorm_2 = _param(h)
+        self.mlp_gate = _param(cfg.intermediate_size, h)
+        self.mlp_up = _param(cfg.intermediate_size, h)
+        self.mlp_down = _param(h, cfg.intermediate_size)
+        self.router_proj = _param(cfg.num_experts, h)
+        self.router_scale = _param(h)
+        self.per_expert_scale = _param(cfg.num_experts)
+        self.experts_gate_up = _param(cfg.num_experts, 2 * cfg.moe_intermediate_size, h)
+        self.experts_down = _param(cfg.num_experts, h, cfg.moe_intermediate_size)
+        self.layer_scalar = _param(1)  # decoder's
+        self.encoder_layer_scalar = _param(1)  # the encoder's copy (equal in real checkpoints)
+
+
+class DiffusionGemma(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.embed = _param(cfg.vocab_size, h)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, h)
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = _param(h)
+        self.sc_pre_norm = _param(h)
+        self.sc_gate = _param(cfg.intermediate_size, h)
+        self.sc_up = _param(cfg.intermediate_size, h)
+        self.sc_down = _param(h, cfg.intermediate_size)
+        self.inv_freq = {
+            lt: ops.rope_inv_freq(
+                cfg.head_dims[cfg.layer_types.index(lt)], rc.theta, rc.rope_type, rc.partial_rotary_factor
+            )
+            for lt, rc in cfg.rope.items()
+        }
+
+    # -- public API ------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def new_cache(self, max_tokens: int = 4096, ring_size: int | None = None) -> KVCache:
+        return KVCache(self.cfg, max_tokens, self.device, self.dtype, ring_size=ring_size)
+
+    @torch.no_grad()
+    def prefill(
+        self, ids: torch.Tensor, kv: KVCache, chunk: int = 2048, compute_dtype: torch.dtype | None = None
+    ) -> None:
+        """Causally encode ids [1, T] at positions kv.length.. and extend the cache by T.
+
+        `compute_dtype` (e.g. fp32 for short prompts, seed §3) runs activations in that dtype; the cache keeps its own.
+        """
+        ids = self._check_ids(ids)
+        if kv.length + ids.shape[1] > kv.max_tokens:
+            raise ValueError(f"prompt does not fit: {kv.length} cached + {ids.shape[1]} new > {kv.max_tokens}")
+        for s in range(0, ids.shape[1], chunk):
+            part = ids[:, s : s + chunk]
+            self._encode(part[0], kv, compute_dtype or self.dtype)
+
+    @torch.no_grad()
+    def denoise(
+        self,
+        canvas_ids: torch.Tensor,
+        kv: KVCache,
+        sc_logits: torch.Tensor | None = None,
+        *,
+        sc_probs: torch.Tensor | None = None,
+        sc_seed: bool = False,
+    ) -> torch.Tensor:
+        """Logits [1, C, V] (fp32, softcapped) for a canvas [1, C] placed after the cache.
+
+        Self-conditioning: `sc_logits` as transformers' `self_conditioning_logits` (probs = their softmax), or
+        `sc_probs` already normalised, or `sc_seed` (the first-step seed: the canvas's own embedding), or none.
+        """
+        canvas = self._check_ids(canvas_ids)[0]
+        if sc_logits is not None:
+            sc_probs = torch.softmax(sc_logits.reshape(canvas.shape[0], -1), dim=-1, dtype=torch.float32)
+        h = self._decoder_input(canvas, sc_probs, sc_seed)
+        h = self._decode_layers(h, kv)
+        return self._logits(h)[None]
+
+    # -- pieces ----------------------------------------------------------------------------
+
+    def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dim() == 1:
+            ids = ids[None]
+        if ids.dim() != 2 or ids.shape[0] != 1:
+            raise ValueError(f"expected token ids shaped [1, T], got {tuple(ids.shape)}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        return ids.to(self.device)
+
+    def _embed_scale(self, dtype: torch.dtype) -> torch.Tensor:
+        # transformers rounds sqrt(hidden) to the embedding dtype (55.43 -> 55.5 in bf16): mirror it.
+        return torch.tensor(math.sqrt(self.cfg.hidden_size), dtype=self.embed.dtype).to(dtype)
+
+    def _embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed[ids] * self._embed_scale(self.embed.dtype)
+
+    def _decoder_input(self, canvas: torch.Tensor, sc_probs: torch.Tensor | None, sc_seed: bool) -> torch.Tensor:
+        """Token embeddings + the SC MLP on the soft signal, then rms_norm_no_scale (seed §4.1)."""
+        cfg = self.cfg
+        emb = self._embed_tokens(canvas)
+        if sc_probs is not None:
+            soft = (sc_probs.to(self.embed.dtype) @ self.embed) * self._embed_scale(emb.dtype)
+        elif sc_seed:
+            soft = emb
+        else:  # the SC MLP of a zero signal is exactly zero
+            return ops.rms_norm(emb, None, cfg.rms_norm_eps)
+        x = ops.rms_norm(soft, self.sc_pre_norm, cfg.rms_norm_eps)
+        sc = F.linear(ops.gelu_tanh(F.linear(x, self.sc_gate)) * F.linear(x, self.sc_up), self.sc_down)
+        return ops.rms_norm(emb + sc, None, cfg.rms_norm_eps)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        h = ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+        head = self.embed if self.lm_head is None else self.lm_head
+        logits = F.linear(h, head.to(h.dtype)).float()
+        cap = self.cfg.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap
+
+    def _qkv(self, layer: Layer, x: torch.Tensor, positions: torch.Tensor):
+        """Q [1,H,T,d], K and V [1,Hkv,T,d] for x [T, hidden] at `positions`."""
+        eps = self.cfg.rms_norm_eps
+        t, hd = x.shape[0], layer.head_dim
+        q = F.linear(x, layer.q_proj.to(x.dtype)).view(t, layer.n_heads, hd)
+        k_raw = F.linear(x, layer.k_proj.to(x.dtype)).view(t, layer.n_kv, hd)
+        v = F.linear(x, layer.v_proj.to(x.dtype)).view(t, layer.n_kv, hd) if layer.sliding else k_raw
+        cos, sin = ops.rope_cos_sin(self.inv_freq[self.cfg.layer_types[layer.idx]], positions, x.dtype)
+        q = ops.apply_rope(ops.rms_norm(q, layer.q_norm, eps), cos, sin)
+        k = ops.apply_rope(ops.rms_norm(k_raw, layer.k_norm, eps), cos, sin)
+        v = ops.rms_norm(v, None, eps)
+        return q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+
+    def _ffn(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
+        """Dense MLP and MoE in parallel on the post-attention stream, seven norms in all."""
+        eps = self.cfg.rms_norm_eps
+        dt = h.dtype
+        x = ops.rms_norm(h, layer.pre_feedforward_layernorm, eps)
+        dense = F.linear(
+            ops.gelu_tanh(F.linear(x, layer.mlp_gate.to(dt))) * F.linear(x, layer.mlp_up.to(dt)), layer.mlp_down.to(dt)
+        )
+        dense = ops.rms_norm(dense, layer.post_feedforward_layernorm_1, eps)
+        weights, ids = ops.route(
+            h, layer.router_proj.to(dt), layer.router_scale.to(dt), layer.per_expert_scale, self.cfg.top_k_experts, eps
+        )
+        x2 = ops.rms_norm(h, layer.pre_feedforward_layernorm_2, eps)
+        moe = ops.moe_experts(x2, weights, ids, layer.experts_gate_up.to(dt), layer.experts_down.to(dt))
+        moe = ops.rms_norm(moe, layer.post_feedforward_layernorm_2, eps)
+        return ops.rms_norm(dense + moe, layer.post_feedforward_layernorm, eps)
+
+    def _layer(self, layer: Layer, h: torch.Tensor, attend, scalar: torch.Tensor) -> torch.Tensor:
+        eps = self.cfg.rms_norm_eps
+        attn = attend(ops.rms_norm(h, layer.input_layernorm, eps))  # [T, H*d]
+        attn = F.linear(attn, layer.o_proj.to(h.dtype))
+        h = h + ops.rms_norm(attn, layer.post_attention_layernorm, eps)
+        h = h + self._ffn(layer, h)
+        return h * scalar.to(h.dtype)
+
+    def _encode(self, ids: torch.Tensor, kv: KVCache, dtype: torch.dtype) -> None:
+        """Causal pass over ids [T] at kv.length..; no pre-layer norm on the encoder input (seed §2)."""
+        start, t = kv.length, ids.shape[0]
+        positions = torch.arange(start, start + t, device=self.device)
+        h = self._embed_tokens(ids).to(dtype)
+        for layer in self.layers:
+
+            def attend(x: torch.Tensor, layer: Layer = layer) -> torch.Tensor:
+                q, k, v = self._qkv(layer, x, positions)
+                past_k, past_v, past_pos = kv.read(layer.idx, start)
+                keys = torch.cat([past_k.to(k.dtype), k], dim=2)
+                vals = torch.cat([past_v.to(v.dtype), v], dim=2)
+                key_pos = torch.cat([past_pos, positions])
+                mask = key_pos[None, :] <= positions[:, None]
+                if layer.sliding:
+                    mask &= key_pos[None, :] > positions[:, None] - self.cfg.sliding_window
+                kv.write(layer.idx, start, k, v)
+                out = ops.attention(q, keys, vals, mask)
+                return out[0].transpose(0, 1).reshape(t, -1)
+
+            h = self._layer(layer, h, attend, layer.encoder_layer_scalar)
+        kv.length = start + t
+
+    def _decode_layers(self, h: torch.Tensor, kv: KVCache) -> torch.Tensor:
+        c = h.shape[0]
+        positions = torch.arange(kv.length, kv.length + c, device=self.device)
+        for layer in self.layers:
+
+            def attend(x: torch.Tensor, layer: Layer = layer) -> torch.Tensor:
+                q, k, v = self._qkv(layer, x, positions)
+                past_k, past_v, _ = kv.read(layer.idx)
+                keys = torch.cat([past_k.to(k.dtype), k], dim=2)
+                vals = torch.cat([past_v.to(v.dtype), v], dim=2)
+                out = ops.attention(q, keys, vals, None)
+                return out[0].transpose(0, 1).reshape(c, -1)
+
+            h = self._layer(layer, h, attend, layer.layer_scalar)
+        return h
