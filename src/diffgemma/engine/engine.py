@@ -16,7 +16,7 @@ from diffgemma.model.model import DiffusionGemma
 from diffgemma.weights.loader import load_model
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
 
 
 def best_device() -> str:

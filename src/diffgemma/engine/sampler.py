@@ -30,7 +30,7 @@ class RowStats:
 
 def row_stats(logits: torch.Tensor, temp: float) -> RowStats:
     """Tempered softmax, entropy, argmax and top probability per canvas row. logits [C, V] fp32."""
-    z = logits.float() / temp
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temp
     logp = torch.log_softmax(z, dim=-1)
     probs = logp.exp()
     entropy = -(probs * logp).sum(-1)

@@ -162,7 +162,7 @@ class DiffusionGemma(nn.Module):
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
         head = self.embed if self.lm_head is None else self.lm_head
-        logits = F.linear(h, head.to(h.dtype)).float()
+        logits = F.linear(h, head.to(h.dtype)).to(torch.promote_types(h.dtype, torch.float32))
         cap = self.cfg.final_logit_softcapping
         return torch.tanh(logits / cap) * cap
 
