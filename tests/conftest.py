@@ -18,7 +18,13 @@ TINY_B: dict = dict(
     sliding_window=4,
     canvas_length=24,
     num_hidden_layers=5,
-    layer_types=["full_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    layer_types=[
+        "full_attention",
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+        "full_attention",
+    ],
     num_experts=6,
     top_k_experts=3,
 )

@@ -24,8 +24,10 @@ def ckpt(tmp_path_factory):
         tmp_path_factory.mktemp("genparity"),
         seed=11,
         tokenizer=False,
-        generation={"sampler_config": {"entropy_bound": 40.0, "_cls_name": "EntropyBoundSamplerConfig"},
-                    "max_denoising_steps": 5},
+        generation={
+            "sampler_config": {"entropy_bound": 40.0, "_cls_name": "EntropyBoundSamplerConfig"},
+            "max_denoising_steps": 5,
+        },
     )
 
 

@@ -15,7 +15,9 @@ TOL = 1e-4
 
 
 def hf_model(path):
-    model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="sdpa"
+    )
     return model.eval()
 
 
@@ -65,7 +67,9 @@ def test_prefill_denoise_logits_match_transformers(tiny):
 def test_chunked_prefill_equals_one_shot(tiny_a):
     ours = load_model(tiny_a, "cpu", torch.float32)
     prompt = torch.randint(0, ours.cfg.vocab_size, (1, 37), generator=torch.Generator().manual_seed(3))
-    canvas = torch.randint(0, ours.cfg.vocab_size, (1, ours.cfg.canvas_length), generator=torch.Generator().manual_seed(4))
+    canvas = torch.randint(
+        0, ours.cfg.vocab_size, (1, ours.cfg.canvas_length), generator=torch.Generator().manual_seed(4)
+    )
     kv1, kv2 = ours.new_cache(128), ours.new_cache(128)
     ours.prefill(prompt, kv1)
     ours.prefill(prompt, kv2, chunk=5)

@@ -112,7 +112,11 @@ class ModelConfig:
         per_layer = tc.get("per_layer_config")
         if per_layer is not None:
             for key, overrides in per_layer.items():
-                idx = [i for i, t in enumerate(layer_types) if t == key] if key in (SLIDING, FULL) else [int(key)]
+                idx = (
+                    [i for i, t in enumerate(layer_types) if t == key]
+                    if key in (SLIDING, FULL)
+                    else [int(key)]
+                )
                 for i in idx:
                     head_dims[i] = int(overrides.get("head_dim", head_dims[i]))
                     kv[i] = int(overrides.get("num_key_value_heads", kv[i]))
@@ -198,7 +202,9 @@ class SamplerConfig:
     plateau_steps: int = 8  # 3: stop when the accept mask is unchanged this many steps (0 = off) ...
     plateau_mean_entropy: float = 0.05  # ... and mean entropy is below this
     pad_gate: bool = True  # 4: an all-pad argmax canvas never early-stops
-    canvas_shrink: bool = False  # 5: MLX shrinks the last canvas to max(remaining, 64); the seed keeps it fixed
+    canvas_shrink: bool = (
+        False  # 5: MLX shrinks the last canvas to max(remaining, 64); the seed keeps it fixed
+    )
     sc_sparse: bool = True  # 6: SC soft-embed keeps only tokens with p >= e^-10 * row max
     prefill_f32_max_tokens: int = 256  # 7: prompts up to this long prefill with fp32 activations (0 = off)
     entropy_stop: float = 0.05  # 9: after min_steps, stop when mean entropy < this (0 = off)
@@ -298,7 +304,9 @@ def _parse_env_value(name: str, raw: str, typ: Any) -> Any:
         if typ in ("tuple[int, ...]",):
             return tuple(int(x) for x in raw.split(",") if x.strip())
     except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a valid {typ if isinstance(typ, str) else typ.__name__}") from None
+        raise ConfigError(
+            f"{name}={raw!r} is not a valid {typ if isinstance(typ, str) else typ.__name__}"
+        ) from None
     raise ConfigError(f"{name}: unsupported option type {typ}")
 
 

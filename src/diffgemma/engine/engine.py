@@ -15,8 +15,15 @@ from diffgemma.model.kv_cache import KVCache
 from diffgemma.model.model import DiffusionGemma
 from diffgemma.weights.loader import load_model
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float64": torch.float64,
+}
 
 
 def best_device() -> str:
@@ -38,7 +45,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
 
 
 class Engine:
-    def __init__(self, model: DiffusionGemma, sampler: SamplerConfig, path: Path | None = None, max_tokens: int = 8192):
+    def __init__(
+        self, model: DiffusionGemma, sampler: SamplerConfig, path: Path | None = None, max_tokens: int = 8192
+    ):
         self.model = model
         self.sampler = sampler
         self.path = path
@@ -76,7 +85,9 @@ class Engine:
             need = len(prompt_ids) + max_new + self.config.canvas_length
             kv = self.new_cache(max(self.max_tokens, need))
         elif kv.length + len(prompt_ids) > kv.max_tokens:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the cache ({kv.length}/{kv.max_tokens} used)")
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens does not fit the cache ({kv.length}/{kv.max_tokens} used)"
+            )
         if not prompt_ids and kv.length == 0:
             raise ValueError("empty prompt: there is nothing to condition on")
         return generate(self.model, list(prompt_ids), kv, cfg, seed, max_new, on_step, on_block, cancel)

@@ -131,7 +131,11 @@ def _prefill(model: DiffusionGemma, ids: list[int], kv: KVCache, cfg: SamplerCon
     if not ids:
         return
     t = torch.tensor([ids], dtype=torch.long)
-    f32 = cfg.prefill_f32_max_tokens > 0 and len(ids) <= cfg.prefill_f32_max_tokens and model.dtype != torch.float32
+    f32 = (
+        cfg.prefill_f32_max_tokens > 0
+        and len(ids) <= cfg.prefill_f32_max_tokens
+        and model.dtype != torch.float32
+    )
     model.prefill(t, kv, compute_dtype=torch.float32 if f32 else None)
 
 
@@ -184,7 +188,9 @@ def generate(
             length = min(canvas_len, max(remaining, MIN_CANVAS))
         retry = 0
         while True:
-            initial = initial_canvases[b] if initial_canvases and b < len(initial_canvases) and retry == 0 else None
+            initial = (
+                initial_canvases[b] if initial_canvases and b < len(initial_canvases) and retry == 0 else None
+            )
             res = denoise_block(
                 model, kv, cfg, block_seed(seed, b, retry), length, initial, on_step, cancel, block_index=b
             )

@@ -71,7 +71,9 @@ class StopState:
         self.prev_mask: torch.Tensor | None = None
         self.plateau_run_t: torch.Tensor | None = None
 
-    def update(self, step: int, argmax: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def update(
+        self, step: int, argmax: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         """A 0-d bool tensor: stop after this step (`step` counts executed steps from 1)."""
         cfg = self.cfg
         mean_h = entropy.mean()
@@ -91,7 +93,9 @@ class StopState:
                 if self.prev_mask is not None
                 else torch.zeros((), dtype=torch.bool, device=mask.device)
             )
-            run = self.plateau_run_t if self.plateau_run_t is not None else torch.zeros((), device=mask.device)
+            run = (
+                self.plateau_run_t if self.plateau_run_t is not None else torch.zeros((), device=mask.device)
+            )
             run = torch.where(same, run + 1, torch.zeros_like(run))
             self.plateau_run_t = run
             # "unchanged for >= N consecutive steps": N equal transitions after the first mask

@@ -24,13 +24,17 @@ def rope_inv_freq(head_dim: int, theta: float, rope_type: str, partial_rotary_fa
     partial_rotary_factor * head_dim / 2 angles with exponents over the FULL head_dim and leaves the rest at 0."""
     if rope_type == "proportional":
         angles = int(partial_rotary_factor * head_dim // 2)
-        rotated = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.float, device="cpu") / head_dim))
+        rotated = 1.0 / (
+            theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.float, device="cpu") / head_dim)
+        )
         return torch.cat([rotated, torch.zeros(head_dim // 2 - angles, device="cpu")])
     dim = int(head_dim * partial_rotary_factor)
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [T, head_dim] for split-half rotation (pairs d and d + head_dim/2), cast to the activation dtype."""
     freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
@@ -44,11 +48,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
-) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """q [1, H, Tq, d], k/v [1, Hkv, Tk, d], mask [Tq, Tk] bool (True = attend) or None. Scale 1 (QK-norm folds it)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=1.0, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 def route(

@@ -100,7 +100,9 @@ class DiffusionGemma(nn.Module):
         """
         ids = self._check_ids(ids)
         if kv.length + ids.shape[1] > kv.max_tokens:
-            raise ValueError(f"prompt does not fit: {kv.length} cached + {ids.shape[1]} new > {kv.max_tokens}")
+            raise ValueError(
+                f"prompt does not fit: {kv.length} cached + {ids.shape[1]} new > {kv.max_tokens}"
+            )
         for s in range(0, ids.shape[1], chunk):
             part = ids[:, s : s + chunk]
             self._encode(part[0], kv, compute_dtype or self.dtype)
@@ -145,7 +147,9 @@ class DiffusionGemma(nn.Module):
     def _embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed[ids] * self._embed_scale(self.embed.dtype)
 
-    def _decoder_input(self, canvas: torch.Tensor, sc_probs: torch.Tensor | None, sc_seed: bool) -> torch.Tensor:
+    def _decoder_input(
+        self, canvas: torch.Tensor, sc_probs: torch.Tensor | None, sc_seed: bool
+    ) -> torch.Tensor:
         """Token embeddings + the SC MLP on the soft signal, then rms_norm_no_scale (seed §4.1)."""
         cfg = self.cfg
         emb = self._embed_tokens(canvas)
@@ -185,11 +189,17 @@ class DiffusionGemma(nn.Module):
         dt = h.dtype
         x = ops.rms_norm(h, layer.pre_feedforward_layernorm, eps)
         dense = F.linear(
-            ops.gelu_tanh(F.linear(x, layer.mlp_gate.to(dt))) * F.linear(x, layer.mlp_up.to(dt)), layer.mlp_down.to(dt)
+            ops.gelu_tanh(F.linear(x, layer.mlp_gate.to(dt))) * F.linear(x, layer.mlp_up.to(dt)),
+            layer.mlp_down.to(dt),
         )
         dense = ops.rms_norm(dense, layer.post_feedforward_layernorm_1, eps)
         weights, ids = ops.route(
-            h, layer.router_proj.to(dt), layer.router_scale.to(dt), layer.per_expert_scale, self.cfg.top_k_experts, eps
+            h,
+            layer.router_proj.to(dt),
+            layer.router_scale.to(dt),
+            layer.per_expert_scale,
+            self.cfg.top_k_experts,
+            eps,
         )
         x2 = ops.rms_norm(h, layer.pre_feedforward_layernorm_2, eps)
         moe = ops.moe_experts(x2, weights, ids, layer.experts_gate_up.to(dt), layer.experts_down.to(dt))

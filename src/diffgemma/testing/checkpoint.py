@@ -25,7 +25,13 @@ TINY_TEXT_CONFIG: dict[str, Any] = {
     "global_head_dim": 32,
     "num_global_key_value_heads": 1,
     "sliding_window": 8,
-    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    "layer_types": [
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+    ],
     "num_experts": 8,
     "top_k_experts": 2,
     "moe_intermediate_size": 24,
@@ -38,7 +44,11 @@ TINY_TEXT_CONFIG: dict[str, Any] = {
     "eos_token_id": 1,
     "tie_word_embeddings": True,
     "rope_parameters": {
-        "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+        "full_attention": {
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 1000000.0,
+            "rope_type": "proportional",
+        },
         "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
     },
     "model_type": "diffusion_gemma_text",
@@ -107,7 +117,11 @@ def random_tensors(tc: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     for i, lt in enumerate(tc["layer_types"]):
         full = lt == "full_attention"
         if full:
-            hd = tc["per_layer_config"][str(i)]["head_dim"] if "per_layer_config" in tc else tc["global_head_dim"]
+            hd = (
+                tc["per_layer_config"][str(i)]["head_dim"]
+                if "per_layer_config" in tc
+                else tc["global_head_dim"]
+            )
             kv = (
                 tc["per_layer_config"][str(i)]["num_key_value_heads"]
                 if "per_layer_config" in tc
@@ -170,7 +184,9 @@ def write_tiny_checkpoint(
         "vision_config": TINY_VISION_CONFIG,
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    (path / "generation_config.json").write_text(json.dumps({**GENERATION_CONFIG, **(generation or {})}, indent=2))
+    (path / "generation_config.json").write_text(
+        json.dumps({**GENERATION_CONFIG, **(generation or {})}, indent=2)
+    )
 
     tensors = random_tensors(tc, seed)
     if shards <= 1:

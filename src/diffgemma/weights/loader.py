@@ -102,7 +102,9 @@ def _open(f: Path):
         raise CheckpointError(f"{f}: corrupt safetensors file ({e})") from None
 
 
-def load_weights(model: DiffusionGemma, path: str | Path, device: torch.device | str, dtype: torch.dtype) -> None:
+def load_weights(
+    model: DiffusionGemma, path: str | Path, device: torch.device | str, dtype: torch.dtype
+) -> None:
     """Fill every parameter of `model` from the checkpoint at `path`, cast to dtype on device."""
     path = Path(path)
     files = shard_files(path)
@@ -140,7 +142,10 @@ def load_weights(model: DiffusionGemma, path: str | Path, device: torch.device |
         unknown = [
             n
             for n in files
-            if n not in used and not n.startswith(IGNORED_PREFIXES) and not n.startswith(ENCODER) and n != "lm_head.weight"
+            if n not in used
+            and not n.startswith(IGNORED_PREFIXES)
+            and not n.startswith(ENCODER)
+            and n != "lm_head.weight"
         ]
         if unknown:
             print(f"diffgemma: ignoring {len(unknown)} unknown tensors, e.g. {unknown[0]}", file=sys.stderr)

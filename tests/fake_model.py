@@ -1,0 +1,43 @@
+"""A scripted stand-in for DiffusionGemma: logits chosen by the test, calls recorded."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+
+
+class FakeKV:
+    def __init__(self) -> None:
+        self.length = 0
+        self.max_tokens = 1 << 20
+
+
+class FakeModel:
+    def __init__(self, vocab: int, canvas: int, script: Callable[[int, torch.Tensor], torch.Tensor]):
+        self.cfg = SimpleNamespace(vocab_size=vocab, canvas_length=canvas)
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+        self.script = script
+        self.canvases: list[list[int]] = []
+        self.sc: list[str] = []
+        self.prefilled: list[list[int]] = []
+
+    def denoise(self, canvas, kv, sc_logits=None, *, sc_probs=None, sc_seed=False):
+        self.canvases.append(canvas[0].tolist())
+        self.sc.append("probs" if sc_probs is not None else "seed" if sc_seed else "none")
+        return self.script(len(self.canvases) - 1, canvas[0]).float()[None]
+
+    def prefill(self, ids, kv, compute_dtype=None):
+        self.prefilled.append(ids[0].tolist())
+        kv.length += ids.shape[1]
+
+
+def peaked(tokens: list[int], margins: list[float] | float, vocab: int) -> torch.Tensor:
+    """Logits [C, V]: row r puts `margin` on tokens[r], 0 elsewhere."""
+    c = len(tokens)
+    m = torch.tensor(margins if isinstance(margins, list) else [margins] * c, dtype=torch.float32)
+    out = torch.zeros(c, vocab)
+    out[torch.arange(c), torch.tensor(tokens)] = m
+    return out
