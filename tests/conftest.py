@@ -32,12 +32,12 @@ TINY_B: dict = dict(
 
 @pytest.fixture(scope="session")
 def tiny_a(tmp_path_factory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_a"), seed=1, tokenizer=False, **TINY_A)
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_a"), seed=1, **TINY_A)
 
 
 @pytest.fixture(scope="session")
 def tiny_b(tmp_path_factory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_b"), seed=2, tokenizer=False, **TINY_B)
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_b"), seed=2, **TINY_B)
 
 
 @pytest.fixture(params=["tiny_a", "tiny_b"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,8 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from diffgemma.chat.template import render_gemma4
 from diffgemma.chat.tokenizer import ChatTokenizer
@@ -25,8 +28,16 @@ def _oracle_env() -> jinja2.Environment:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: Any = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ):
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
@@ -36,8 +47,13 @@ def _oracle_env() -> jinja2.Environment:
     return env
 
 
+@functools.cache
+def _oracle_template() -> jinja2.Template:
+    return _oracle_env().from_string(ORACLE.read_text())
+
+
 def oracle(messages, tools=None, add_generation_prompt=True, enable_thinking=False) -> str:
-    template = _oracle_env().from_string(ORACLE.read_text())
+    template = _oracle_template()
     return template.render(
         messages=messages,
         tools=tools,
@@ -136,7 +152,10 @@ CASES: dict[str, dict[str, Any]] = {
         ]
     },
     "developer_role": {
-        "messages": [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hello"}]
+        "messages": [
+            {"role": "developer", "content": "Answer in French."},
+            {"role": "user", "content": "Hello"},
+        ]
     },
     "thinking_on": {
         "messages": [{"role": "system", "content": "Be careful."}, {"role": "user", "content": "2+2?"}],
@@ -150,9 +169,18 @@ CASES: dict[str, dict[str, Any]] = {
     },
     "content_parts": {
         "messages": [
-            {"role": "system", "content": [{"type": "text", "text": " Part one. "}, {"type": "text", "text": "Two"}]},
-            {"role": "user", "content": [{"type": "text", "text": "Look: "}, {"type": "text", "text": " here "}]},
-            {"role": "assistant", "content": [{"type": "text", "text": "<|channel>thought\nhm<channel|>Seen."}]},
+            {
+                "role": "system",
+                "content": [{"type": "text", "text": " Part one. "}, {"type": "text", "text": "Two"}],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Look: "}, {"type": "text", "text": " here "}],
+            },
+            {
+                "role": "assistant",
+                "content": [{"type": "text", "text": "<|channel>thought\nhm<channel|>Seen."}],
+            },
             {"role": "user", "content": [{"type": "text", "text": "Thanks"}]},
         ]
     },
@@ -224,7 +252,9 @@ CASES: dict[str, dict[str, Any]] = {
             {"role": "user", "content": "Time?"},
             {
                 "role": "assistant",
-                "tool_calls": [{"id": "c9", "type": "function", "function": {"name": "now", "arguments": {}}}],
+                "tool_calls": [
+                    {"id": "c9", "type": "function", "function": {"name": "now", "arguments": {}}}
+                ],
             },
             {"role": "tool", "tool_call_id": "other", "name": "clock", "content": "12:00"},
             {"role": "assistant", "content": "Noon."},
@@ -304,7 +334,11 @@ def test_json_object_tool_result_renders_as_mapping() -> None:
     result = {"temp": 21, "Sky": "sunny", "tags": ["a", "b"]}
     head = [{"role": "user", "content": "Weather?"}]
     ours = render_gemma4(
-        [*head, {"role": "assistant", "tool_calls": [CALL_WEATHER]}, {"role": "tool", "content": result}]
+        [
+            *head,
+            {"role": "assistant", "tool_calls": [CALL_WEATHER]},
+            {"role": "tool", "tool_call_id": "call_1", "content": result},
+        ]
     )
     legacy = [
         *head,
@@ -315,14 +349,17 @@ def test_json_object_tool_result_renders_as_mapping() -> None:
         },
     ]
     assert ours == oracle(legacy)
-    assert ours.endswith("<|tool_response>response:get_weather{Sky:<|\"|>sunny<|\"|>,tags:[")
+    assert '<|tool_response>response:get_weather{Sky:<|"|>sunny<|"|>,tags:[' in ours
 
 
 @needs_oracle
 def test_generation_prompt_facts() -> None:
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     off = render_gemma4(msgs)
-    assert off == "<bos><|turn>user\nWhat is the capital of France?<turn|>\n<|turn>model\n<|channel>thought\n<channel|>"
+    assert (
+        off
+        == "<bos><|turn>user\nWhat is the capital of France?<turn|>\n<|turn>model\n<|channel>thought\n<channel|>"
+    )
     on = render_gemma4(msgs, enable_thinking=True)
     assert on.startswith("<bos><|turn>system\n<|think|>\n<turn|>\n") and on.endswith("<|turn>model\n")
 
@@ -345,3 +382,60 @@ def test_chat_tokenizer_uses_checkpoint_template(tmp_path: Path) -> None:
     rendered = with_template.render(msgs["messages"], **kwargs)
     assert rendered.startswith("<bos>[from-checkpoint]<|turn>system\n")
     assert rendered.replace("[from-checkpoint]", "", 1) == plain.render(msgs["messages"], **kwargs)
+
+
+TEXTS = st.sampled_from(
+    ["", "  hi  ", "Hello\nworld", " <|channel>thought\nx<channel|>ok ", "Ünï 🙂", "a<channel|>b"]
+)
+CALLS = st.lists(st.sampled_from([CALL_WEATHER, CALL_SEARCH]), min_size=1, max_size=2)
+
+
+@st.composite
+def messages_st(draw) -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = []
+    if draw(st.booleans()):
+        role = draw(st.sampled_from(["system", "developer"]))
+        msgs.append(
+            {"role": role, "content": draw(TEXTS | st.builds(lambda t: [{"type": "text", "text": t}], TEXTS))}
+        )
+    for _ in range(draw(st.integers(1, 6))):
+        kind = draw(st.sampled_from(["user", "assistant", "call", "parts"]))
+        if kind == "user":
+            msgs.append({"role": "user", "content": draw(TEXTS)})
+        elif kind == "parts":
+            role = draw(st.sampled_from(["user", "assistant"]))
+            parts = [{"type": "text", "text": t} for t in draw(st.lists(TEXTS, max_size=3))]
+            msgs.append({"role": role, "content": parts})
+        elif kind == "assistant":
+            msgs.append({"role": "assistant", "content": draw(TEXTS), "reasoning_content": draw(TEXTS)})
+        else:
+            calls = draw(CALLS)
+            msgs.append(
+                {
+                    "role": "assistant",
+                    "content": draw(st.none() | TEXTS),
+                    "reasoning_content": draw(TEXTS),
+                    "tool_calls": calls,
+                }
+            )
+            for call in calls[: draw(st.integers(0, len(calls)))]:
+                body = draw(TEXTS | st.builds(lambda t: [{"type": "text", "text": t}], TEXTS))
+                msgs.append({"role": "tool", "tool_call_id": call["id"], "name": "n", "content": body})
+    return msgs
+
+
+@needs_oracle
+@settings(max_examples=300, deadline=None)
+@given(
+    messages=messages_st(),
+    tools=st.none() | st.lists(st.sampled_from([WEATHER, SEARCH, NO_PARAMS]), max_size=3),
+    add_generation_prompt=st.booleans(),
+    enable_thinking=st.booleans(),
+)
+def test_random_conversations_match_oracle(messages, tools, add_generation_prompt, enable_thinking) -> None:
+    kwargs = {
+        "tools": tools,
+        "add_generation_prompt": add_generation_prompt,
+        "enable_thinking": enable_thinking,
+    }
+    assert render_gemma4(messages, **kwargs) == oracle(messages, **kwargs)

@@ -16,7 +16,6 @@ from diffgemma.chat.toolcall import QUOTE, format_value, sorted_items
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _STANDARD_KEYS = ("description", "type", "properties", "required", "nullable")
-_MISSING = object()
 
 
 def _q(text: Any) -> str:
@@ -186,7 +185,9 @@ def _content(message: Mapping[str, Any], role: str, state: _State) -> str:
     return "".join(out)
 
 
-def _system_turn(messages: Sequence[Mapping[str, Any]], tools: Any, enable_thinking: bool, state: _State) -> str:
+def _system_turn(
+    messages: Sequence[Mapping[str, Any]], tools: Any, enable_thinking: bool, state: _State
+) -> str:
     out = "<|turn>system\n"
     if enable_thinking:
         out += "<|think|>\n"
@@ -203,7 +204,8 @@ def _system_turn(messages: Sequence[Mapping[str, Any]], tools: Any, enable_think
     return out + "<turn|>\n"
 
 
-def _check_roles(messages: Sequence[Mapping[str, Any]]) -> None:
+def check_roles(messages: Sequence[Mapping[str, Any]]) -> None:
+    """Raise ValueError naming the first message whose role Gemma 4 does not know."""
     for i, message in enumerate(messages):
         role = message.get("role")
         if role not in ROLES:
@@ -218,7 +220,7 @@ def render_gemma4(
     bos_token: str = "<bos>",
 ) -> str:
     """Render OpenAI-style messages (and tool schemas) as a Gemma 4 prompt."""
-    _check_roles(messages)
+    check_roles(messages)
     state = _State()
     out = [bos_token]
     loop = list(messages)

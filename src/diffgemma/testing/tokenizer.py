@@ -94,12 +94,22 @@ def _reserved_tokens() -> list[str]:
     return [SPECIAL_TOKENS.get(i, f"<unused_{i}>") for i in range(NEWLINE_ID)] + ["\n"]
 
 
+def _without_specials(text: str) -> str:
+    # Specials are matched before BPE, so they must not also be learned as merges (`<|"|>` would be).
+    for token in SPECIAL_TOKENS.values():
+        text = text.replace(token, " ")
+    return text
+
+
 def build_tokenizer(vocab_size: int = 1024, corpus: list[str] | None = None) -> Tokenizer:
     """Train the test tokenizer (deterministic for a given corpus); `vocab_size` caps the vocabulary."""
     min_size = FIRST_BPE_ID + len(pre_tokenizers.ByteLevel.alphabet())
     if vocab_size < min_size:
-        raise ValueError(f"vocab_size must be at least {min_size} (reserved ids + byte alphabet), got {vocab_size}")
-    texts = _builtin_corpus() + list(corpus or [])
+        raise ValueError(
+            f"vocab_size must be at least {min_size} (reserved ids + byte alphabet), got {vocab_size}"
+        )
+    reserved = _reserved_tokens()
+    texts = [_without_specials(t) for t in _builtin_corpus() + list(corpus or [])]
 
     # Learn merges on a scratch tokenizer, then rebuild the vocabulary with the reserved ids in front.
     scratch = Tokenizer(models.BPE())
@@ -111,15 +121,16 @@ def build_tokenizer(vocab_size: int = 1024, corpus: list[str] | None = None) -> 
     )
     scratch.train_from_iterator(texts, trainer)
     learned = json.loads(scratch.to_str())["model"]
-    vocab = {token: i for i, token in enumerate(_reserved_tokens())}
+    vocab = {token: i for i, token in enumerate(reserved)}
     for token, i in learned["vocab"].items():
+        if token in vocab:
+            raise ValueError(f"learned token {token!r} collides with a reserved token")
         vocab[token] = FIRST_BPE_ID + i
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in learned["merges"]]
 
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    reserved = _reserved_tokens()
     # Added tokens whose text is already in the vocabulary keep that id, which pins them to their real ids.
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in reserved[:NEWLINE_ID]])
     tok.add_tokens([AddedToken("\n", special=False, normalized=False)])
