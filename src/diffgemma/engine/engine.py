@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from diffgemma.chat.parser import parse_reply
+from diffgemma.chat.tokenizer import ChatTokenizer
 from diffgemma.config import ModelConfig, SamplerConfig, env_str, load_sampler_config
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo, generate
 from diffgemma.model.kv_cache import KVCache
@@ -44,14 +46,57 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+Prompt = list[int] | torch.Tensor | str | list[dict[str, Any]]
+
+
 class Engine:
     def __init__(
-        self, model: DiffusionGemma, sampler: SamplerConfig, path: Path | None = None, max_tokens: int = 8192
+        self,
+        model: DiffusionGemma,
+        sampler: SamplerConfig,
+        path: Path | None = None,
+        max_tokens: int = 8192,
+        tokenizer: ChatTokenizer | None = None,
     ):
         self.model = model
         self.sampler = sampler
         self.path = path
         self.max_tokens = max_tokens
+        self.tokenizer = tokenizer
+
+    def prompt_ids(
+        self,
+        prompt: Prompt,
+        *,
+        think: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        raw: bool = False,
+    ) -> list[int]:
+        """Token ids for a prompt: ids as given; a string as one user message (or verbatim with `raw`);
+        an OpenAI-style message list rendered with the chat template."""
+        if isinstance(prompt, torch.Tensor):
+            return prompt.reshape(-1).tolist()
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        tok = self._need_tokenizer()
+        if isinstance(prompt, str):
+            if raw:
+                return tok.encode(prompt)
+            prompt = [{"role": "user", "content": prompt}]
+        if not isinstance(prompt, list) or not all(isinstance(m, dict) for m in prompt):
+            raise TypeError("prompt must be token ids, a string, or a list of message dicts")
+        return tok.encode(tok.render(prompt, tools=tools, add_generation_prompt=True, enable_thinking=think))
+
+    def _need_tokenizer(self) -> ChatTokenizer:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.path or 'this model'} has no tokenizer.json: pass token ids")
+        return self.tokenizer
+
+    def parse(self, out: GenerateOutput) -> GenerateOutput:
+        """Fill out.text / reasoning / tool_calls from the generated ids."""
+        if self.tokenizer is not None:
+            out.text, out.reasoning, out.tool_calls = parse_reply(self.tokenizer, out.token_ids)
+        return out
 
     @property
     def config(self) -> ModelConfig:
@@ -62,7 +107,7 @@ class Engine:
 
     def generate(
         self,
-        prompt_ids: list[int] | torch.Tensor,
+        prompt_ids: Prompt,
         max_new_tokens: int | None = None,
         seed: int = 42,
         on_step: Callable[[StepInfo], None] | None = None,
@@ -71,12 +116,15 @@ class Engine:
         kv: KVCache | None = None,
         cancel: CancelToken | None = None,
         sampler: SamplerConfig | None = None,
+        think: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        raw: bool = False,
         **sampler_overrides: Any,
     ) -> GenerateOutput:
-        """Generate a reply to `prompt_ids`. With `kv`, the ids are the tokens not yet cached and the cache is
-        extended in place (multi-turn reuse); without it a fresh cache is used."""
-        if isinstance(prompt_ids, torch.Tensor):
-            prompt_ids = prompt_ids.reshape(-1).tolist()
+        """Generate a reply. The prompt is token ids, a string (one user turn) or an OpenAI-style message list;
+        with a tokenizer, out.text / out.reasoning / out.tool_calls are set. With `kv`, the prompt is the tokens
+        not yet cached and the cache is extended in place (multi-turn reuse); without it a fresh cache is used."""
+        prompt_ids = self.prompt_ids(prompt_ids, think=think, tools=tools, raw=raw)
         cfg = sampler or self.sampler
         if sampler_overrides:
             cfg = dataclasses.replace(cfg, **sampler_overrides).validated()
@@ -84,13 +132,16 @@ class Engine:
         if kv is None:
             need = len(prompt_ids) + max_new + self.config.canvas_length
             kv = self.new_cache(max(self.max_tokens, need))
-        elif kv.length + len(prompt_ids) > kv.max_tokens:
+        elif kv.length + len(prompt_ids) >= kv.max_tokens:
             raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens does not fit the cache ({kv.length}/{kv.max_tokens} used)"
+                f"prompt of {len(prompt_ids)} tokens does not fit the context ({kv.length}/{kv.max_tokens} used)"
             )
         if not prompt_ids and kv.length == 0:
             raise ValueError("empty prompt: there is nothing to condition on")
-        return generate(self.model, list(prompt_ids), kv, cfg, seed, max_new, on_step, on_block, cancel)
+        # Like any engine with a fixed context: the reply stops at the context's end ("length").
+        max_new = min(max_new, kv.max_tokens - kv.length - len(prompt_ids))
+        out = generate(self.model, list(prompt_ids), kv, cfg, seed, max_new, on_step, on_block, cancel)
+        return self.parse(out)
 
 
 def load(
@@ -110,4 +161,5 @@ def load(
     sampler = load_sampler_config(path)
     if sampler_overrides:
         sampler = dataclasses.replace(sampler, **sampler_overrides).validated()
-    return Engine(model, sampler, path, max_tokens=max_tokens)
+    tokenizer = ChatTokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
+    return Engine(model, sampler, path, max_tokens=max_tokens, tokenizer=tokenizer)

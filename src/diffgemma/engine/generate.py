@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -61,6 +62,10 @@ class GenerateOutput:
     denoise_seconds: float = 0.0
     retries: int = 0
     cached_tokens: int = 0  # generated tokens already prefilled into the cache (all but the last block)
+    reused_tokens: int = 0  # prompt tokens whose KV was reused from an earlier turn
+    text: str = ""  # with a tokenizer: the reply's content, reasoning and tool calls
+    reasoning: str = ""
+    tool_calls: list[Any] = field(default_factory=list)
     block_steps: list[int] = field(default_factory=list)
 
     @property

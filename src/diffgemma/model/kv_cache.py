@@ -30,7 +30,8 @@ class KVCache:
         self.cfg = cfg
         self.max_tokens = max_tokens
         self.window = cfg.sliding_window
-        self.ring_size = ring_size or min(max_tokens, cfg.sliding_window + 2 * cfg.canvas_length)
+        # Slack above the window lets a conversation rewind (e.g. a reply re-rendered without its thought channel).
+        self.ring_size = ring_size or min(max_tokens, cfg.sliding_window + max(2 * cfg.canvas_length, 1024))
         if self.ring_size < min(max_tokens, self.window - 1):
             raise ValueError(f"ring_size {self.ring_size} is smaller than the window - 1 ({self.window - 1})")
         self.length = 0

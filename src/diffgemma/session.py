@@ -1,0 +1,60 @@
+"""A conversation's token log mirrored by its KV cache: reuse the longest common prefix, prefill the rest."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diffgemma.engine.engine import Engine
+from diffgemma.engine.generate import GenerateOutput
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class Conversation:
+    """Invariant: `log` holds exactly the tokens whose K/V are in `kv` (len(log) == kv.length)."""
+
+    def __init__(self, engine: Engine, max_tokens: int | None = None):
+        self.engine = engine
+        self.kv = engine.new_cache(max_tokens)
+        self.log: list[int] = []
+
+    @property
+    def max_tokens(self) -> int:
+        return self.kv.max_tokens
+
+    def reset(self) -> None:
+        self.kv.reset()
+        self.log = []
+
+    def sync(self, ids: list[int]) -> int:
+        """Cut the cache back to its longest common prefix with `ids`; returns how many tokens are reused.
+        When the sliding-window rings no longer hold that point, start over (an explicit re-prefill)."""
+        n = common_prefix(self.log, ids)
+        if n < len(self.log):
+            if self.kv.can_truncate(n):
+                self.kv.truncate(n)
+            else:
+                self.kv.reset()
+                n = 0
+            self.log = self.log[:n]
+        return n
+
+    def generate(self, ids: list[int], **kwargs: Any) -> GenerateOutput:
+        """Generate a reply to the full prompt `ids`, prefilling only what the cache lacks."""
+        if len(ids) + 1 > self.kv.max_tokens:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit the context of {self.kv.max_tokens}")
+        reused = self.sync(ids)
+        try:
+            out = self.engine.generate(ids[reused:], kv=self.kv, **kwargs)
+        except BaseException:
+            self.reset()  # never leave the log and the cache disagreeing
+            raise
+        self.log = list(ids) + out.token_ids[: out.cached_tokens]
+        out.reused_tokens = reused
+        return out
