@@ -1,0 +1,441 @@
+"""The `diffgemma` command line: ask, chat, prompt, serve, bench, train, eval, download."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="DiffusionGemma inference engine.")
+
+MODEL = typer.Option(None, "-m", "--model", help="Model directory or HF repo id (default: discover).")
+SEED = typer.Option(42, "--seed", help="Canvas noise seed.")
+CTX = typer.Option(32768, "--ctx", help="Context budget in tokens (prompt + reply).")
+MAX_TOKENS = typer.Option(None, "--max-tokens", help="Reply budget (default: generation_config).")
+RAW = typer.Option(False, "--raw", help="Send the text verbatim, no chat template.")
+THINK = typer.Option(False, "--think/--no-think", help="Thinking on (reasoning in the thought channel).")
+DEVICE = typer.Option(None, "--device", help="cpu, cuda, mps (default: best available).")
+DTYPE = typer.Option(None, "--dtype", help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU).")
+PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+class CliError(Exception):
+    """A user-facing error: one line on stderr, exit status 1 (2 for bad input)."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+@contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Turn the errors a user can cause into one line on stderr and a non-zero exit, never a traceback."""
+    from diffgemma.config import ConfigError
+    from diffgemma.weights.loader import CheckpointError
+
+    try:
+        yield
+    except CliError as e:
+        _die(str(e), e.code)
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError, TypeError, OSError) as e:
+        _die(str(e), 1)
+
+
+def _die(message: str, code: int) -> None:
+    print(f"diffgemma: error: {message}", file=sys.stderr)
+    raise typer.Exit(code)
+
+
+def _stderr(message: str) -> None:
+    print(f"diffgemma: {message}", file=sys.stderr, flush=True)
+
+
+def load_engine(model: str | None, device: str | None, dtype: str | None, ctx: int):
+    """Resolve and load a model, saying on stderr which one, with a spinner while weights load on a TTY."""
+    import diffgemma
+    from diffgemma.weights.download import resolve_model
+
+    if ctx <= 0:
+        raise CliError(f"--ctx must be positive, got {ctx}", 2)
+    path = resolve_model(model)
+    _stderr(f"model {path}")
+    if sys.stderr.isatty():
+        from rich.console import Console
+
+        with Console(stderr=True).status(f"loading {path.name}…"):
+            return diffgemma.load(path, device=device, dtype=dtype, max_tokens=ctx)
+    return diffgemma.load(path, device=device, dtype=dtype, max_tokens=ctx)
+
+
+class Display:
+    """Prints a reply as its blocks commit: content to stdout, reasoning dimmed on stderr. On a TTY a live
+    one-line view shows the canvas while it denoises."""
+
+    def __init__(self, engine, quiet: bool = False):
+        from diffgemma.chat.parser import Content, Reasoning, StreamParser
+
+        self.engine = engine
+        self.tok = engine.tokenizer
+        self.parser = StreamParser(self.tok) if self.tok is not None else None
+        self.Content, self.Reasoning = Content, Reasoning
+        self.quiet = quiet
+        self.live = None
+        self.text = ""
+        if not quiet and sys.stdout.isatty() and self.tok is not None:
+            from rich.console import Console
+            from rich.live import Live
+
+            self.live = Live(console=Console(), transient=True, auto_refresh=False)
+            self.live.start()
+
+    def on_step(self, info) -> None:
+        if self.live is None:
+            return
+        from rich.text import Text
+
+        preview = self.tok.decode(info.argmax.tolist(), skip_special=True).replace("\n", " ")
+        width = max(10, self.live.console.width - 1)
+        tail = (self.text.rsplit("\n", 1)[-1] + preview)[-width:]
+        self.live.update(Text(tail, style="dim"), refresh=True)
+
+    def on_block(self, ids: list[int]) -> None:
+        if self.parser is None:
+            return
+        for event in self.parser.feed(ids):
+            if isinstance(event, self.Content):
+                self.text += event.text
+                if not self.quiet:
+                    self._out(event.text)
+            elif isinstance(event, self.Reasoning) and not self.quiet:
+                self._err(event.text)
+
+    def _out(self, text: str) -> None:
+        if self.live is not None:
+            self.live.console.print(text, end="", markup=False, highlight=False)
+        else:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    def _err(self, text: str) -> None:
+        if sys.stderr.isatty():
+            sys.stderr.write(f"\x1b[2m{text}\x1b[0m")
+        else:
+            sys.stderr.write(text)
+        sys.stderr.flush()
+
+    def close(self, out) -> None:
+        if self.live is not None:
+            self.live.stop()
+        if self.parser is not None:
+            self.parser.finish(out.finish_reason)
+        if not self.quiet and self.tok is None:
+            print(json.dumps(out.token_ids))
+        elif not self.quiet:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+
+
+@contextmanager
+def ctrl_c_cancels(cancel) -> Iterator[None]:
+    """While a reply generates, Ctrl-C cancels it (between denoise steps) instead of killing the process."""
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, lambda *_: cancel.cancel())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def summary(out, wall: float) -> str:
+    n = len(out.token_ids)
+    line = (
+        f"{n} tokens, {out.blocks} blocks, {out.steps} steps, {n / wall if wall > 0 else 0:.1f} tok/s "
+        f"(prompt {out.prompt_tokens + out.reused_tokens} tokens, {out.reused_tokens} reused; "
+        f"prefill {out.prefill_seconds:.2f}s, denoise {out.denoise_seconds:.2f}s) [{out.finish_reason}]"
+    )
+    return line
+
+
+def result_json(out, wall: float, **extra: Any) -> dict[str, Any]:
+    calls = [{"name": c.name, "arguments": c.arguments} for c in out.tool_calls]
+    return {
+        "text": out.text,
+        "reasoning": out.reasoning,
+        "tool_calls": calls,
+        "finish_reason": out.finish_reason,
+        "prompt_tokens": out.prompt_tokens + out.reused_tokens,
+        "reused_tokens": out.reused_tokens,
+        "prefilled_tokens": out.prompt_tokens,
+        "completion_tokens": len(out.token_ids),
+        "token_ids": out.token_ids,
+        "blocks": out.blocks,
+        "steps": out.steps,
+        "prefill_seconds": round(out.prefill_seconds, 4),
+        "denoise_seconds": round(out.denoise_seconds, 4),
+        "tok_s": round(len(out.token_ids) / wall, 2) if wall > 0 else 0.0,
+        **extra,
+    }
+
+
+def _prompt_ids(engine, text: str, raw: bool, think: bool, ctx: int) -> list[int]:
+    if engine.tokenizer is None:
+        raise CliError(f"{engine.path} has no tokenizer.json")
+    ids = engine.prompt_ids(text, raw=raw, think=think)
+    if len(ids) >= ctx:
+        raise CliError(f"prompt is {len(ids)} tokens, longer than --ctx {ctx}", 2)
+    return ids
+
+
+@app.command()
+def ask(
+    prompt: str = typer.Option(..., "-p", "--prompt", help="The question; '-' reads stdin."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    model: str | None = MODEL,
+    seed: int = SEED,
+    ctx: int = CTX,
+    max_tokens: int | None = MAX_TOKENS,
+    raw: bool = RAW,
+    think: bool = THINK,
+    device: str | None = DEVICE,
+    dtype: str | None = DTYPE,
+) -> None:
+    """Answer one prompt, streaming the reply as blocks commit."""
+    from diffgemma.engine.generate import CancelToken
+
+    with one_line_errors():
+        text = sys.stdin.read() if prompt == "-" else prompt
+        if not text.strip():
+            raise CliError("empty prompt", 2)
+        engine = load_engine(model, device, dtype, ctx)
+        ids = _prompt_ids(engine, text, raw, think, ctx)
+        display = Display(engine, quiet=json_out)
+        cancel = CancelToken()
+        t0 = time.perf_counter()
+        try:
+            with ctrl_c_cancels(cancel):
+                out = engine.generate(
+                    ids, max_tokens, seed, on_step=display.on_step, on_block=display.on_block, cancel=cancel
+                )
+        finally:
+            if display.live is not None:
+                display.live.stop()
+        wall = time.perf_counter() - t0
+        display.close(out)
+        if json_out:
+            print(json.dumps(result_json(out, wall, model=str(engine.path), seed=seed)))
+        _stderr(summary(out, wall))
+
+
+CHAT_HELP = "commands: /reset, /think on|off, /seed N, /quit"
+
+
+@app.command()
+def chat(
+    json_out: bool = typer.Option(False, "--json", help="One JSON object per turn instead of streamed text."),
+    model: str | None = MODEL,
+    seed: int = SEED,
+    ctx: int = CTX,
+    max_tokens: int | None = MAX_TOKENS,
+    think: bool = THINK,
+    device: str | None = DEVICE,
+    dtype: str | None = DTYPE,
+) -> None:
+    """Interactive chat with history; only each new turn is prefilled (the KV cache is reused)."""
+    from diffgemma.engine.generate import CancelToken
+    from diffgemma.session import Conversation
+
+    with one_line_errors():
+        engine = load_engine(model, device, dtype, ctx)
+        if engine.tokenizer is None:
+            raise CliError(f"{engine.path} has no tokenizer.json")
+        conv = Conversation(engine, ctx)
+        messages: list[dict[str, Any]] = []
+        tty = sys.stdin.isatty()
+        if tty:
+            _stderr(CHAT_HELP)
+        while True:
+            line = _read_line(tty)
+            if line is None:
+                break
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("/"):
+                cmd, _, arg = line.partition(" ")
+                if cmd == "/quit":
+                    break
+                if cmd == "/reset":
+                    messages, _ = [], conv.reset()
+                    _stderr("history cleared")
+                elif cmd == "/think" and arg in ("on", "off"):
+                    think = arg == "on"
+                    _stderr(f"thinking {arg}")
+                elif cmd == "/seed" and arg.strip().lstrip("-").isdigit():
+                    seed = int(arg)
+                    _stderr(f"seed {seed}")
+                else:
+                    _stderr(f"unknown command {line!r}; {CHAT_HELP}")
+                continue
+            turn = [*messages, {"role": "user", "content": line}]
+            ids = engine.prompt_ids(turn, think=think)
+            if len(ids) >= ctx:
+                _stderr(
+                    f"error: conversation is {len(ids)} tokens, longer than --ctx {ctx}; /reset to start over"
+                )
+                continue
+            display = Display(engine, quiet=json_out)
+            cancel = CancelToken()
+            t0 = time.perf_counter()
+            try:
+                with ctrl_c_cancels(cancel):
+                    out = conv.generate(
+                        ids,
+                        max_new_tokens=max_tokens,
+                        seed=seed,
+                        on_step=display.on_step,
+                        on_block=display.on_block,
+                        cancel=cancel,
+                    )
+            finally:
+                if display.live is not None:
+                    display.live.stop()
+            wall = time.perf_counter() - t0
+            display.close(out)
+            if out.finish_reason == "cancelled":
+                _stderr("cancelled")
+            messages = [*turn, {"role": "assistant", "content": out.text}]
+            if json_out:
+                print(json.dumps(result_json(out, wall, turn=len(messages) // 2)), flush=True)
+            _stderr(summary(out, wall))
+
+
+def _read_line(tty: bool) -> str | None:
+    try:
+        return input(">>> ") if tty else (sys.stdin.readline() or None)
+    except (EOFError, KeyboardInterrupt):
+        return None
+
+
+@app.command()
+def prompt(model: str | None = MODEL) -> None:
+    """Render a request read from stdin ({"messages", "tools", "enable_thinking", "add_generation_prompt"})
+    with the model's chat template; print {"text", "ids"}."""
+    from diffgemma.chat.tokenizer import ChatTokenizer
+    from diffgemma.weights.download import resolve_model
+
+    with one_line_errors():
+        try:
+            req = json.loads(sys.stdin.read())
+        except json.JSONDecodeError as e:
+            raise CliError(f"stdin is not valid JSON: {e}", 2) from None
+        if not isinstance(req, dict) or not isinstance(req.get("messages"), list):
+            raise CliError('stdin must be a JSON object with a "messages" list', 2)
+        path = resolve_model(model)
+        tok = ChatTokenizer.from_dir(path)
+        text = tok.render(
+            req["messages"],
+            tools=req.get("tools"),
+            add_generation_prompt=bool(req.get("add_generation_prompt", True)),
+            enable_thinking=bool(req.get("enable_thinking", False)),
+        )
+        print(json.dumps({"text": text, "ids": tok.encode(text)}))
+
+
+@app.command()
+def serve(
+    model: str | None = MODEL,
+    host: str = typer.Option("127.0.0.1", "--host", help="Bind address (loopback unless told otherwise)."),
+    port: int = typer.Option(8080, "--port"),
+    ctx: int = typer.Option(131072, "--ctx", help="Context budget per conversation."),
+    api_key: str | None = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY'."),
+    max_queue: int = typer.Option(16, "--max-queue", help="Requests waiting beyond this get 503."),
+    log_dir: Path | None = typer.Option(None, "--log-dir", help="Write a JSONL request log here."),
+    device: str | None = DEVICE,
+    dtype: str | None = DTYPE,
+) -> None:
+    """OpenAI-compatible HTTP server."""
+    from diffgemma.weights.download import resolve_model
+
+    with one_line_errors():
+        from diffgemma.server import serve as run_server
+
+        path = resolve_model(model)
+        _stderr(f"model {path}")
+        run_server(
+            path,
+            host=host,
+            port=port,
+            ctx=ctx,
+            api_key=api_key,
+            max_queue=max_queue,
+            log_dir=log_dir,
+            device=device,
+            dtype=dtype,
+        )
+
+
+@app.command()
+def download(
+    repo: str = typer.Option("google/diffusiongemma-26B-A4B-it", "--repo"),
+    revision: str | None = typer.Option(None, "--revision"),
+    out: Path | None = typer.Option(None, "--out", help="Target directory (default: the HF cache)."),
+) -> None:
+    """Download a checkpoint (safetensors, configs, tokenizer) from the Hugging Face Hub; resumes."""
+    from diffgemma.weights.download import download as fetch
+
+    with one_line_errors():
+        try:
+            path = fetch(repo, revision, out)
+        except Exception as e:  # hub errors come in many classes; all are one line for the user
+            raise CliError(f"download of {repo} failed: {type(e).__name__}: {e}") from None
+        print(path)
+
+
+def _passthrough(name: str, target: Callable[[list[str]], int]) -> None:
+    @app.command(name, context_settings=PASSTHROUGH, add_help_option=False)
+    def command(ctx: typer.Context) -> None:
+        raise typer.Exit(target(list(ctx.args)) or 0)
+
+    command.__doc__ = {
+        "bench": "Measure prefill and denoise speed (see `diffgemma bench --help`).",
+        "train": "Train a DiffusionGemma-architecture model (see `diffgemma train --help`).",
+        "eval": "Evaluate a model on held-out synthetic tasks (see `diffgemma eval --help`).",
+    }[name]
+
+
+def _bench(argv: list[str]) -> int:
+    from diffgemma.bench import main
+
+    return main(argv)
+
+
+def _train(argv: list[str]) -> int:
+    from diffgemma.train.cli import train_main
+
+    return train_main(argv)
+
+
+def _eval(argv: list[str]) -> int:
+    from diffgemma.train.cli import eval_main
+
+    return eval_main(argv)
+
+
+_passthrough("bench", _bench)
+_passthrough("train", _train)
+_passthrough("eval", _eval)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

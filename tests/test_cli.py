@@ -1,0 +1,123 @@
+"""The command line end to end, through a subprocess, on a tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from diffgemma.testing import write_tiny_checkpoint
+
+FAST = {"max_denoising_steps": 4}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("cli"), seed=1, generation=FAST)
+
+
+def run(*args: str, stdin: str = "", env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "diffgemma.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+def error_lines(proc) -> list[str]:
+    assert "Traceback" not in proc.stderr
+    return [line for line in proc.stderr.splitlines() if line.startswith("diffgemma: error:")]
+
+
+def test_ask_streams_text_and_a_summary(model):
+    proc = run("ask", "-m", str(model), "-p", "What is 17 + 25?", "--max-tokens", "24")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()  # gibberish from random weights, but text
+    assert f"model {model}" in proc.stderr
+    assert "24 tokens" in proc.stderr and "blocks" in proc.stderr and "tok/s" in proc.stderr
+
+
+def test_ask_json_reports_counts_and_timings(model):
+    proc = run(
+        "ask", "-m", str(model), "-p", "-", "--json", "--max-tokens", "20", "--seed", "7", stdin="hello there"
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["completion_tokens"] == len(out["token_ids"]) == 20
+    assert out["blocks"] == 2 and out["steps"] >= 2 and out["prompt_tokens"] > 5
+    for key in ("text", "reasoning", "tool_calls", "prefill_seconds", "denoise_seconds", "tok_s"):
+        assert key in out
+    again = json.loads(
+        run(
+            "ask", "-m", str(model), "-p", "hello there", "--json", "--max-tokens", "20", "--seed", "7"
+        ).stdout
+    )
+    assert again["token_ids"] == out["token_ids"]  # same seed, same reply
+
+
+def test_chat_second_turn_prefills_only_its_new_tokens(model):
+    proc = run("chat", "-m", str(model), "--json", "--max-tokens", "12", stdin="first question\nsecond one\n")
+    assert proc.returncode == 0, proc.stderr
+    t1, t2 = (json.loads(line) for line in proc.stdout.splitlines())
+    assert t1["reused_tokens"] == 0 and t1["prefilled_tokens"] == t1["prompt_tokens"]
+    # Turn 2 reuses turn 1's prompt KV (less the empty thought channel the template strips from history).
+    assert t2["reused_tokens"] >= t1["prompt_tokens"] - 4
+    assert t2["prefilled_tokens"] == t2["prompt_tokens"] - t2["reused_tokens"]
+    assert t2["prefilled_tokens"] < t2["prompt_tokens"] - t1["prompt_tokens"] + 5
+
+
+def test_chat_commands(model):
+    proc = run(
+        "chat",
+        "-m",
+        str(model),
+        "--json",
+        "--max-tokens",
+        "8",
+        stdin="/seed 5\nhi\n/reset\nhi\n/bogus\n/quit\nnever\n",
+    )
+    assert proc.returncode == 0, proc.stderr
+    turns = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(turns) == 2 and turns[1]["reused_tokens"] == 0  # /reset dropped the history and its KV
+    assert turns[0]["token_ids"] == turns[1]["token_ids"]  # same seed and prompt after reset
+    assert "seed 5" in proc.stderr and "unknown command" in proc.stderr
+
+
+def test_prompt_renders_the_template(model):
+    req = {"messages": [{"role": "user", "content": "hi"}], "enable_thinking": False}
+    proc = run("prompt", "-m", str(model), stdin=json.dumps(req))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["text"] == "<bos><|turn>user\nhi<turn|>\n<|turn>model\n<|channel>thought\n<channel|>"
+    assert out["ids"][:2] == [2, 105] and out["ids"][-1] == 101
+
+
+def test_errors_are_one_line_and_nonzero(model, tmp_path):
+    proc = run("ask", "-m", str(tmp_path / "missing"), "-p", "hi")
+    assert proc.returncode == 1 and error_lines(proc) == [
+        f"diffgemma: error: model directory {tmp_path / 'missing'} does not exist"
+    ]
+
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text("{ not json")
+    proc = run("ask", "-m", str(corrupt), "-p", "hi")
+    assert proc.returncode == 1 and len(error_lines(proc)) == 1 and "config.json" in error_lines(proc)[0]
+
+    proc = run("ask", "-m", str(model), "-p", "word " * 200, "--ctx", "64")
+    assert (
+        proc.returncode == 2
+        and len(error_lines(proc)) == 1
+        and "longer than --ctx 64" in error_lines(proc)[0]
+    )
+
+    proc = run("prompt", "-m", str(model), stdin="{oops")
+    assert proc.returncode == 2 and len(error_lines(proc)) == 1 and "not valid JSON" in error_lines(proc)[0]
+
+    proc = run("prompt", "-m", str(model), stdin='{"messages": [{"role": "wizard", "content": "x"}]}')
+    assert proc.returncode != 0 and len(error_lines(proc)) == 1 and "wizard" in error_lines(proc)[0]
