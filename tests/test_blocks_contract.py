@@ -161,3 +161,12 @@ def test_same_seed_same_ids_in_process_and_across_processes(tiny_a):
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(res.stdout.strip().splitlines()[-1]) == a
+
+
+def test_canvas_shrink_option_follows_mlx():
+    model = FakeModel(V, 256, lambda i, c: sure([30] * c.shape[0]))
+    generate(model, [5], FakeKV(), CFG.replace(canvas_shrink=True), seed=1, max_new_tokens=300)
+    assert [len(c) for c in model.canvases[::2]] == [256, 64]  # the last canvas is max(remaining, 64)
+    model = FakeModel(V, 256, lambda i, c: sure([30] * c.shape[0]))
+    generate(model, [5], FakeKV(), CFG, seed=1, max_new_tokens=300)
+    assert [len(c) for c in model.canvases[::2]] == [256, 256]  # the seed's fixed canvas
