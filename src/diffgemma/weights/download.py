@@ -20,6 +20,7 @@ def download(repo: str = DEFAULT_REPO, revision: str | None = None, out: str | P
         revision=revision,
         allow_patterns=ALLOW_PATTERNS,
         local_dir=str(out) if out is not None else None,
+        cache_dir=str(hf_cache_dir()),  # the same cache that discovery reads
     )
     return Path(path)
 
