@@ -121,3 +121,26 @@ def test_errors_are_one_line_and_nonzero(model, tmp_path):
 
     proc = run("prompt", "-m", str(model), stdin='{"messages": [{"role": "wizard", "content": "x"}]}')
     assert proc.returncode != 0 and len(error_lines(proc)) == 1 and "wizard" in error_lines(proc)[0]
+
+
+def test_ctrl_c_cancels_the_reply_not_the_session(model):
+    import os
+    import signal
+    import time
+
+    env = {**os.environ, "DIFFGEMMA_MAX_DENOISING_STEPS": "48", "DIFFGEMMA_ENTROPY_STOP": "0", "DIFFGEMMA_PLATEAU_STEPS": "0"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diffgemma.cli", "chat", "-m", str(model), "--json", "--max-tokens", "6000", "--ctx", "8192"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    proc.stdin.write("write a very long story\n")
+    proc.stdin.flush()
+    assert proc.stderr.readline().startswith("diffgemma: model")  # imports done; loading the tiny model now
+    time.sleep(4)  # loading and a few blocks: the reply is far from done
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1)
+    out, err = proc.communicate("/quit\n", timeout=120)
+    assert proc.returncode == 0, err
+    turn = json.loads(out.splitlines()[0])
+    assert turn["finish_reason"] == "cancelled" and turn["completion_tokens"] < 6000
+    assert "cancelled" in err and "Traceback" not in err

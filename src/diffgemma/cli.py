@@ -434,7 +434,11 @@ _passthrough("eval", _eval)
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except KeyboardInterrupt:  # Ctrl-C outside a reply (e.g. while loading): quit quietly
+        print("diffgemma: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":
