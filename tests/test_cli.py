@@ -128,10 +128,31 @@ def test_ctrl_c_cancels_the_reply_not_the_session(model):
     import signal
     import time
 
-    env = {**os.environ, "DIFFGEMMA_MAX_DENOISING_STEPS": "48", "DIFFGEMMA_ENTROPY_STOP": "0", "DIFFGEMMA_PLATEAU_STEPS": "0"}
+    env = {
+        **os.environ,
+        "DIFFGEMMA_MAX_DENOISING_STEPS": "48",
+        "DIFFGEMMA_ENTROPY_STOP": "0",
+        "DIFFGEMMA_PLATEAU_STEPS": "0",
+    }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "diffgemma.cli", "chat", "-m", str(model), "--json", "--max-tokens", "6000", "--ctx", "8192"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "diffgemma.cli",
+            "chat",
+            "-m",
+            str(model),
+            "--json",
+            "--max-tokens",
+            "6000",
+            "--ctx",
+            "8192",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     proc.stdin.write("write a very long story\n")
     proc.stdin.flush()
