@@ -75,35 +75,41 @@ def load_engine(model: str | None, device: str | None, dtype: str | None, ctx: i
 
 
 class Display:
-    """Prints a reply as its blocks commit: content to stdout, reasoning dimmed on stderr. On a TTY a live
-    one-line view shows the canvas while it denoises."""
+    """Shows a reply as its blocks commit. Not a TTY: content to stdout, reasoning to stderr, nothing else.
+    A TTY: one live view of the committed text (reasoning dimmed) followed by the canvas being denoised."""
 
     def __init__(self, engine, quiet: bool = False):
         from diffgemma.chat.parser import Content, Reasoning, StreamParser
 
-        self.engine = engine
         self.tok = engine.tokenizer
         self.parser = StreamParser(self.tok) if self.tok is not None else None
         self.Content, self.Reasoning = Content, Reasoning
         self.quiet = quiet
-        self.live = None
         self.text = ""
+        self.reasoning = ""
+        self.live = None
         if not quiet and sys.stdout.isatty() and self.tok is not None:
             from rich.console import Console
             from rich.live import Live
 
-            self.live = Live(console=Console(), transient=True, auto_refresh=False)
+            self.live = Live(console=Console(), auto_refresh=False, vertical_overflow="visible")
             self.live.start()
 
-    def on_step(self, info) -> None:
-        if self.live is None:
-            return
+    def _view(self, preview: str = ""):
         from rich.text import Text
 
-        preview = self.tok.decode(info.argmax.tolist(), skip_special=True).replace("\n", " ")
-        width = max(10, self.live.console.width - 1)
-        tail = (self.text.rsplit("\n", 1)[-1] + preview)[-width:]
-        self.live.update(Text(tail, style="dim"), refresh=True)
+        view = Text()
+        if self.reasoning:
+            view.append(self.reasoning.rstrip() + "\n", style="dim italic")
+        view.append(self.text)
+        if preview:
+            width = max(10, self.live.console.width - len(self.text.rsplit("\n", 1)[-1]) - 1)
+            view.append(preview.replace("\n", " ")[:width], style="dim")
+        return view
+
+    def on_step(self, info) -> None:
+        if self.live is not None:
+            self.live.update(self._view(self.tok.decode(info.argmax.tolist(), skip_special=True)), refresh=True)
 
     def on_block(self, ids: list[int]) -> None:
         if self.parser is None:
@@ -111,33 +117,32 @@ class Display:
         for event in self.parser.feed(ids):
             if isinstance(event, self.Content):
                 self.text += event.text
-                if not self.quiet:
-                    self._out(event.text)
-            elif isinstance(event, self.Reasoning) and not self.quiet:
-                self._err(event.text)
-
-    def _out(self, text: str) -> None:
+                if not self.quiet and self.live is None:
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+            elif isinstance(event, self.Reasoning):
+                self.reasoning += event.text
+                if not self.quiet and self.live is None:
+                    sys.stderr.write(event.text)
+                    sys.stderr.flush()
         if self.live is not None:
-            self.live.console.print(text, end="", markup=False, highlight=False)
-        else:
-            sys.stdout.write(text)
-            sys.stdout.flush()
+            self.live.update(self._view(), refresh=True)
 
-    def _err(self, text: str) -> None:
-        if sys.stderr.isatty():
-            sys.stderr.write(f"\x1b[2m{text}\x1b[0m")
-        else:
-            sys.stderr.write(text)
-        sys.stderr.flush()
+    def stop(self) -> None:
+        if self.live is not None:
+            self.live.update(self._view(), refresh=True)
+            self.live.stop()
+            self.live = None
 
     def close(self, out) -> None:
-        if self.live is not None:
-            self.live.stop()
+        self.stop()
         if self.parser is not None:
             self.parser.finish(out.finish_reason)
-        if not self.quiet and self.tok is None:
+        if self.quiet:
+            return
+        if self.tok is None:
             print(json.dumps(out.token_ids))
-        elif not self.quiet:
+        else:
             sys.stdout.write("\n")
             sys.stdout.flush()
 
@@ -224,8 +229,7 @@ def ask(
                     ids, max_tokens, seed, on_step=display.on_step, on_block=display.on_block, cancel=cancel
                 )
         finally:
-            if display.live is not None:
-                display.live.stop()
+            display.stop()
         wall = time.perf_counter() - t0
         display.close(out)
         if json_out:
@@ -304,8 +308,7 @@ def chat(
                         cancel=cancel,
                     )
             finally:
-                if display.live is not None:
-                    display.live.stop()
+                display.stop()
             wall = time.perf_counter() - t0
             display.close(out)
             if out.finish_reason == "cancelled":
