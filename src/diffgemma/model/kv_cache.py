@@ -69,6 +69,21 @@ class KVCache:
         pos = torch.arange(0, end, device=self.device)
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end], pos
 
+    def read_with(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of what `layer` attends to at the cache length, followed by a canvas's own k/v [1, h, C, d].
+
+        A full layer with room places the canvas in its linear buffer's scratch slots [length, length + C)
+        and returns views: no copy of the (long) prefix. Those slots are beyond `length`, so nothing that
+        reads the cache sees them, and the next prefill overwrites them. Sliding layers concatenate (small)."""
+        c = k.shape[2]
+        end = self.length
+        if not self.cfg.is_sliding(layer) and end + c <= self.max_tokens:
+            self.k[layer][:, :, end : end + c] = k.to(self.dtype)
+            self.v[layer][:, :, end : end + c] = v.to(self.dtype)
+            return self.k[layer][:, :, : end + c], self.v[layer][:, :, : end + c]
+        past_k, past_v, _ = self.read(layer)
+        return torch.cat([past_k.to(k.dtype), k], dim=2), torch.cat([past_v.to(v.dtype), v], dim=2)
+
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V [1, heads, T, d] for positions start .. start+T-1 (does not move `length`)."""
         t = k.shape[2]

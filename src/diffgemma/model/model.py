@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffgemma.config import ModelConfig
+from diffgemma.kernels import cuda as fast_ops
 from diffgemma.kernels import torch_ref as ops
 from diffgemma.model.kv_cache import KVCache
 
@@ -76,6 +77,12 @@ class DiffusionGemma(nn.Module):
             )
             for lt, rc in cfg.rope.items()
         }
+        # Fast path (kernels/cuda.py + a CUDA-graph denoise step): None = decided from the device of the
+        # weights (on for cuda); True/False forces it (True on cpu runs the fast ops without graphs).
+        self.fast: bool | None = None
+        self.use_graphs = True
+        self._graphs: dict = {}
+        self._graph_cache_key: tuple | None = None
 
     # -- public API ------------------------------------------------------------------------
 
@@ -86,6 +93,12 @@ class DiffusionGemma(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
+
+    @property
+    def is_fast(self) -> bool:
+        if self.fast is None:  # grouped_mm on CUDA is a bf16 kernel
+            return self.device.type == "cuda" and self.dtype == torch.bfloat16
+        return bool(self.fast)
 
     def new_cache(self, max_tokens: int = 4096, ring_size: int | None = None) -> KVCache:
         return KVCache(self.cfg, max_tokens, self.device, self.dtype, ring_size=ring_size)
@@ -125,9 +138,37 @@ class DiffusionGemma(nn.Module):
         canvas = self._check_ids(canvas_ids)[0]
         if sc_logits is not None:
             sc_probs = torch.softmax(sc_logits.reshape(canvas.shape[0], -1), dim=-1, dtype=torch.float32)
+        if self.is_fast and self.use_graphs and self.device.type == "cuda":
+            return self._denoise_graphed(canvas, kv, sc_probs, sc_seed)[None].clone()
+        return self._denoise_forward(canvas, kv, sc_probs, sc_seed)[None]
+
+    def _denoise_forward(
+        self, canvas: torch.Tensor, kv: KVCache, sc_probs: torch.Tensor | None, sc_seed: bool
+    ) -> torch.Tensor:
         h = self._decoder_input(canvas, sc_probs, sc_seed)
         h = self._decode_layers(h, kv)
-        return self._logits(h)[None]
+        return self._logits(h)
+
+    def _denoise_graphed(
+        self, canvas: torch.Tensor, kv: KVCache, sc_probs: torch.Tensor | None, sc_seed: bool
+    ) -> torch.Tensor:
+        """Replay (capturing on first use) the denoise graph for this cache at its current length. Graphs of
+        an older cache length are dropped: one capture per block, then every step of the block replays."""
+        key = (id(kv), kv.k[0].data_ptr(), kv.length)
+        if key != self._graph_cache_key:
+            self._graphs.clear()
+            self._graph_cache_key = key
+        mode = (canvas.shape[0], sc_probs is not None, bool(sc_seed) and sc_probs is None)
+        step = self._graphs.get(mode)
+        if step is None:
+            step = fast_ops.GraphStep(
+                lambda c, p: self._denoise_forward(c, kv, p, sc_seed),
+                canvas,
+                None if sc_probs is None else sc_probs.float(),
+                None,  # a private memory pool per graph, freed with it
+            )
+            self._graphs[mode] = step
+        return step(canvas, sc_probs)
 
     # -- pieces ----------------------------------------------------------------------------
 
@@ -136,13 +177,19 @@ class DiffusionGemma(nn.Module):
             ids = ids[None]
         if ids.dim() != 2 or ids.shape[0] != 1:
             raise ValueError(f"expected token ids shaped [1, T], got {tuple(ids.shape)}")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
+        # Ids already on the GPU come from the sampler: checking them would cost a host sync every step.
+        if (
+            ids.numel()
+            and ids.device.type != "cuda"
+            and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size)
+        ):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
         return ids.to(self.device)
 
-    def _embed_scale(self, dtype: torch.dtype) -> torch.Tensor:
+    def _embed_scale(self, dtype: torch.dtype) -> float:
         # transformers rounds sqrt(hidden) to the embedding dtype (55.43 -> 55.5 in bf16): mirror it.
-        return torch.tensor(math.sqrt(self.cfg.hidden_size), dtype=self.embed.dtype).to(dtype)
+        # A Python float (not a cpu tensor) so that a CUDA graph can capture the product.
+        return float(torch.tensor(math.sqrt(self.cfg.hidden_size), dtype=self.embed.dtype).to(dtype))
 
     def _embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed[ids] * self._embed_scale(self.embed.dtype)
@@ -177,7 +224,10 @@ class DiffusionGemma(nn.Module):
         q = F.linear(x, layer.q_proj.to(x.dtype)).view(t, layer.n_heads, hd)
         k_raw = F.linear(x, layer.k_proj.to(x.dtype)).view(t, layer.n_kv, hd)
         v = F.linear(x, layer.v_proj.to(x.dtype)).view(t, layer.n_kv, hd) if layer.sliding else k_raw
-        cos, sin = ops.rope_cos_sin(self.inv_freq[self.cfg.layer_types[layer.idx]], positions, x.dtype)
+        inv_freq = self.inv_freq[self.cfg.layer_types[layer.idx]]
+        if inv_freq.device != positions.device:  # move once (a host copy cannot sit inside a CUDA graph)
+            inv_freq = self.inv_freq[self.cfg.layer_types[layer.idx]] = inv_freq.to(positions.device)
+        cos, sin = ops.rope_cos_sin(inv_freq, positions, x.dtype)
         q = ops.apply_rope(ops.rms_norm(q, layer.q_norm, eps), cos, sin)
         k = ops.apply_rope(ops.rms_norm(k_raw, layer.k_norm, eps), cos, sin)
         v = ops.rms_norm(v, None, eps)
@@ -202,7 +252,8 @@ class DiffusionGemma(nn.Module):
             eps,
         )
         x2 = ops.rms_norm(h, layer.pre_feedforward_layernorm_2, eps)
-        moe = ops.moe_experts(x2, weights, ids, layer.experts_gate_up.to(dt), layer.experts_down.to(dt))
+        experts = fast_ops.moe_experts if self.is_fast else ops.moe_experts
+        moe = experts(x2, weights, ids, layer.experts_gate_up.to(dt), layer.experts_down.to(dt))
         moe = ops.rms_norm(moe, layer.post_feedforward_layernorm_2, eps)
         return ops.rms_norm(dense + moe, layer.post_feedforward_layernorm, eps)
 
@@ -219,11 +270,23 @@ class DiffusionGemma(nn.Module):
         start, t = kv.length, ids.shape[0]
         positions = torch.arange(start, start + t, device=self.device)
         h = self._embed_tokens(ids).to(dtype)
+        fast = self.is_fast
         for layer in self.layers:
 
             def attend(x: torch.Tensor, layer: Layer = layer) -> torch.Tensor:
                 q, k, v = self._qkv(layer, x, positions)
                 past_k, past_v, past_pos = kv.read(layer.idx, start)
+                if fast:
+                    kv.write(layer.idx, start, k, v)
+                    if layer.sliding:
+                        keys = torch.cat([past_k.to(k.dtype), k], dim=2)
+                        vals = torch.cat([past_v.to(v.dtype), v], dim=2)
+                        key_pos = torch.cat([past_pos, positions])
+                        w = self.cfg.sliding_window
+                        out = fast_ops.attention_window(q, keys, vals, positions, key_pos, w)
+                    else:
+                        out = fast_ops.attention_causal_past(q, past_k.to(k.dtype), past_v.to(v.dtype), k, v)
+                    return out[0].transpose(0, 1).reshape(t, -1)
                 keys = torch.cat([past_k.to(k.dtype), k], dim=2)
                 vals = torch.cat([past_v.to(v.dtype), v], dim=2)
                 key_pos = torch.cat([past_pos, positions])
@@ -240,10 +303,15 @@ class DiffusionGemma(nn.Module):
     def _decode_layers(self, h: torch.Tensor, kv: KVCache) -> torch.Tensor:
         c = h.shape[0]
         positions = torch.arange(kv.length, kv.length + c, device=self.device)
+        fast = self.is_fast
         for layer in self.layers:
 
             def attend(x: torch.Tensor, layer: Layer = layer) -> torch.Tensor:
                 q, k, v = self._qkv(layer, x, positions)
+                if fast:
+                    keys, vals = kv.read_with(layer.idx, k, v)
+                    out = fast_ops.attention_nomask(q, keys, vals)
+                    return out[0].transpose(0, 1).reshape(c, -1)
                 past_k, past_v, _ = kv.read(layer.idx)
                 keys = torch.cat([past_k.to(k.dtype), k], dim=2)
                 vals = torch.cat([past_v.to(v.dtype), v], dim=2)

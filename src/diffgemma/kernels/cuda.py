@@ -1,0 +1,154 @@
+"""Fast ops for the CUDA path, each pinned to its `torch_ref` twin by tests/gpu/.
+
+Library first: grouped GEMM (torch grouped_mm), SDPA's flash / memory-efficient kernels. Everything here is
+free of host syncs and data-dependent shapes, so a denoise step made of these ops can be captured in a CUDA
+graph. The functions also run on CPU (slowly), which is how they are exercised without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from diffgemma.kernels.torch_ref import gelu_tanh
+
+_grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+
+
+# -- MoE ---------------------------------------------------------------------------------------------
+
+
+def moe_experts(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """torch_ref.moe_experts as two grouped GEMMs: sort (row, expert) pairs by expert, gather, gate_up GEMM,
+    gelu*up, down GEMM, then a deterministic weighted sum back per row (fp32 accumulation, no atomics)."""
+    n, k = ids.shape
+    n_exp = gate_up.shape[0]
+    flat = ids.reshape(-1)
+    sorted_ids, perm = torch.sort(flat, stable=True)
+    xs = x[perm // k]  # gather: [n*k, H]
+    hist_in = sorted_ids.float() if x.device.type != "cuda" else sorted_ids.int()
+    counts = torch.histc(hist_in, bins=n_exp, min=0, max=n_exp - 1)  # no host sync (bincount syncs)
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    dt = gate_up.dtype
+    gu = _grouped_mm(xs.to(dt), gate_up.transpose(1, 2), offs=offs)  # [n*k, 2I]
+    inter = gate_up.shape[1] // 2
+    act = gelu_tanh(gu[:, :inter]) * gu[:, inter:]
+    y = _grouped_mm(act, down.transpose(1, 2), offs=offs)  # [n*k, H]
+    unsorted = torch.empty_like(y)
+    unsorted[perm] = y
+    out = (unsorted.view(n, k, -1).float() * weights.reshape(n, k, 1).float()).sum(1)
+    return out.to(x.dtype)
+
+
+# -- attention ---------------------------------------------------------------------------------------
+
+
+def attention_nomask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Unmasked attention (the denoise phase), scale 1. q [1, H, T, d], k/v [1, Hkv, S, d].
+
+    GQA is folded into the query length ([1, Hkv, g*T, d]) so that SDPA runs plain multi-head attention with
+    no expanded K/V and no mask: flash for d <= 256, memory-efficient for the d = 512 full layers."""
+    _, h, t, d = q.shape
+    hkv = k.shape[1]
+    qf = q.reshape(1, hkv, (h // hkv) * t, d)
+    out = F.scaled_dot_product_attention(qf, k, v, scale=1.0)
+    return out.reshape(1, h, t, d)
+
+
+def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    g = heads // x.shape[1]
+    return x if g == 1 else x.repeat_interleave(g, dim=1)
+
+
+def attention_window(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    window: int,
+) -> torch.Tensor:
+    """Causal sliding-window attention for a prefill chunk: query i sees keys with q-window < pos <= q.
+
+    Queries go in blocks of `window` rows; each block attends only to the key span it can see (at most
+    2*window - 1 keys), so the masked work is O(T * window), not O(T * S). Keys are sorted by position."""
+    h, t = q.shape[1], q.shape[2]
+    past = k.shape[2] - t  # keys: `past` contiguous positions before the chunk, then the chunk itself
+    k, v = _expand_kv(k, h), _expand_kv(v, h)
+    outs = []
+    for s in range(0, t, window):
+        e = min(t, s + window)
+        lo, hi = max(0, past + s - window + 1), past + e  # the key span this query block can see
+        qp, kp = q_pos[s:e], k_pos[lo:hi]
+        mask = (kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - window)
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[:, :, s:e], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask, scale=1.0
+            )
+        )
+    return torch.cat(outs, dim=2)
+
+
+def _sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+    """Attention output and its log-sum-exp [B, H, T] (fp32), scale 1; heads already matched."""
+    t = q.shape[2]
+    if q.device.type == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, causal, scale=1.0
+        )[:2]
+        return out, lse[..., :t].float()
+    s = q.float() @ k.float().transpose(-1, -2)
+    if causal:
+        s = s.masked_fill(~torch.ones(t, k.shape[2], dtype=torch.bool).tril(k.shape[2] - t), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return (torch.softmax(s, dim=-1) @ v.float()).to(q.dtype), lse
+
+
+def attention_causal_past(
+    q: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
+    """Full-layer prefill chunk: every query sees all past keys (no mask) and its chunk causally.
+
+    Two mask-free kernels merged by their log-sum-exps: the past part with GQA folded into the query
+    length, the chunk part causal with its (small) K/V expanded to the query heads."""
+    _, h, t, d = q.shape
+    ch, lse_c = _sdpa_lse(q, _expand_kv(k, h), _expand_kv(v, h), True)
+    if past_k.shape[2] == 0:
+        return ch
+    hkv = past_k.shape[1]
+    qf = q.reshape(1, hkv, (h // hkv) * t, d)
+    pa, lse_p = _sdpa_lse(qf, past_k, past_v, False)
+    pa, lse_p = pa.reshape(1, h, t, d), lse_p.reshape(1, h, t)
+    w = torch.sigmoid(lse_p - lse_c)[..., None]  # share of the past in the merged softmax
+    return (pa.float() * w + ch.float() * (1 - w)).to(q.dtype)
+
+
+# -- CUDA graph for the denoise step -------------------------------------------------------------------
+
+
+class GraphStep:
+    """One captured denoise forward for a fixed (cache, cache length, canvas length, SC mode).
+
+    Inputs are copied into static buffers; the output is the graph's static logits (callers clone)."""
+
+    def __init__(self, fn, canvas: torch.Tensor, sc: torch.Tensor | None, pool):
+        self.canvas = canvas.clone()
+        self.sc = None if sc is None else sc.clone()
+        self.fn = fn
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside capture: cuBLAS handles, SDPA workspaces
+            fn(self.canvas, self.sc)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = fn(self.canvas, self.sc)
+
+    def __call__(self, canvas: torch.Tensor, sc: torch.Tensor | None) -> torch.Tensor:
+        self.canvas.copy_(canvas, non_blocking=True)
+        if self.sc is not None:
+            self.sc.copy_(sc, non_blocking=True)
+        self.graph.replay()
+        return self.out
