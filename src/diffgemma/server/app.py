@@ -1,0 +1,364 @@
+"""The OpenAI-compatible HTTP API: routes, auth, body limit, errors, metrics and the request log."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import jinja2.exceptions
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from diffgemma.engine.engine import Engine
+from diffgemma.engine.generate import CancelToken
+from diffgemma.server import responses as R
+from diffgemma.server.errors import APIError, invalid
+from diffgemma.server.jobs import ChatJob, CompletionJob, Delta, Done, Failed
+from diffgemma.server.metrics import Metrics
+from diffgemma.server.registry import Registry
+from diffgemma.server.reqlog import RequestLog
+from diffgemma.server.schema import (
+    ChatRequest,
+    CompletionRequest,
+    parse_body,
+    parse_chat,
+    parse_completion,
+    resolve_model,
+)
+from diffgemma.server.worker import Channel, QueueFull, Worker
+
+log = logging.getLogger("diffgemma.server")
+
+DEFAULT_MAX_QUEUE = 64
+DEFAULT_MAX_CONVERSATIONS = 4
+DEFAULT_MAX_BODY = 8 << 20
+DRAIN_LIMIT = 64 << 20  # read (and drop) an oversized body up to this, so the client sees the 413
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+POLL_SECONDS = 0.25  # how often a non-streaming request checks that its client is still there
+
+
+def model_id_of(engine: Engine) -> str:
+    return Path(engine.path).resolve().name if engine.path is not None else "diffgemma"
+
+
+class _MetricsMiddleware:
+    """Counts every response by route and status (plain ASGI, so streaming and disconnects pass through)."""
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        route = path if path in ROUTES or path.startswith("/v1/models/") else "other"
+        status = {"code": 500}
+        started = time.perf_counter()
+
+        async def wrapped(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, wrapped)
+        finally:
+            self.metrics.requests.inc(route=route, status=str(status["code"]))
+            self.metrics.latency.observe(time.perf_counter() - started, route=route)
+
+
+def create_app(
+    engine: Engine,
+    *,
+    model_id: str | None = None,
+    ctx: int | None = None,
+    api_key: str | None = None,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    log_dir: str | Path | None = None,
+    max_conversations: int = DEFAULT_MAX_CONVERSATIONS,
+    max_body_bytes: int = DEFAULT_MAX_BODY,
+) -> FastAPI:
+    """An app serving `engine`. Its worker thread starts and stops with the app's lifespan."""
+    model_id = model_id or model_id_of(engine)
+    ctx = ctx or engine.max_tokens
+    registry = Registry(engine, ctx, max_conversations)
+    worker: Worker
+    metrics = Metrics(queue_depth=lambda: worker.depth, conversations=lambda: len(registry))
+    worker = Worker(registry, max_queue)
+    request_log = RequestLog(log_dir) if log_dir else None
+    tok = engine.tokenizer
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(worker.stop)
+            if request_log is not None:
+                request_log.close()
+
+    app = FastAPI(title="diffgemma", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_MetricsMiddleware, metrics=metrics)
+    app.state.registry, app.state.worker, app.state.metrics = registry, worker, metrics
+    app.state.model_id, app.state.ctx = model_id, ctx
+    app.state.request_log_path = request_log.path if request_log is not None else None
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        if request_log is not None:
+            request_log.write({"route": request.url.path, "status": exc.status, "error": exc.message})
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), code=kind).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
+
+    def check_auth(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(
+                401,
+                "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+
+    async def read_json(request: Request) -> dict[str, Any]:
+        length = request.headers.get("content-length", "")
+        too_big = APIError(
+            413, f"request body is larger than {max_body_bytes} bytes", code="request_too_large"
+        )
+        if length.isdigit() and int(length) > DRAIN_LIMIT:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > DRAIN_LIMIT:
+                raise too_big
+            if size <= max_body_bytes:
+                chunks.append(chunk)
+        if size > max_body_bytes:
+            raise too_big
+        return parse_body(b"".join(chunks))
+
+    def submit(job: ChatJob | CompletionJob) -> None:
+        try:
+            worker.submit(job)
+        except QueueFull:
+            raise APIError(
+                503,
+                "the server is busy: too many queued requests, retry shortly",
+                type="server_error",
+                code="server_overloaded",
+                headers={"Retry-After": "1"},
+            ) from None
+
+    def fits(n: int, param: str) -> None:
+        if n + 1 > ctx:
+            raise invalid(
+                f"the prompt is {n} tokens; this server's context is {ctx} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def chat_prompt(req: ChatRequest) -> tuple[list[int], list[int], list[dict[str, Any]] | None]:
+        if tok is None:
+            raise invalid("this model has no tokenizer; use /v1/completions with token ids")
+        tools = None if req.tool_choice.mode == "none" else req.tools
+        try:
+            text = tok.render(
+                req.messages, tools=tools, add_generation_prompt=True, enable_thinking=req.think
+            )
+        except (ValueError, TypeError, KeyError, jinja2.exceptions.TemplateError) as exc:
+            raise invalid(f"the messages cannot be rendered: {exc}", param="messages") from None
+        forced: list[int] = []
+        if req.tool_choice.mode == "required":
+            # Forcing the reply to open a tool call is the grammar-level way to require one.
+            name = req.tool_choice.name
+            forced = tok.encode("<|tool_call>call:" + (name + "{" if name else ""))
+        ids = tok.encode(text)
+        fits(len(ids) + len(forced), "messages")
+        return ids, forced, tools
+
+    def completion_prompt(req: CompletionRequest) -> list[int]:
+        if isinstance(req.prompt, str):
+            if tok is None:
+                raise invalid("this model has no tokenizer: send the prompt as token ids", param="prompt")
+            ids = tok.encode(req.prompt)
+        else:
+            vocab = engine.config.vocab_size
+            if any(t >= vocab for t in req.prompt):
+                raise invalid(f"token ids must be below the vocabulary size {vocab}", param="prompt")
+            ids = list(req.prompt)
+        fits(len(ids), "prompt")
+        return ids
+
+    async def wait_all(request: Request, channel: Channel, cancel: CancelToken) -> tuple[list[Delta], Done]:
+        """Collect a job's events; cancel it if the client disconnects while waiting."""
+        deltas: list[Delta] = []
+        while True:
+            try:
+                event = await channel.get(timeout=POLL_SECONDS)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    cancel.cancel()
+                continue
+            if isinstance(event, Failed):
+                raise event.error
+            if isinstance(event, Done):
+                return deltas, event
+            deltas.append(event)
+
+    def record(
+        kind: str,
+        rid: str,
+        req: Any,
+        status: int,
+        started: float,
+        done: Done | None,
+        error: str | None,
+        body: dict[str, Any],
+    ) -> None:
+        if request_log is None:
+            return
+        request_log.write(
+            {
+                "id": rid,
+                "route": kind,
+                "status": status,
+                "model": req.model,
+                "stream": req.stream,
+                "think": getattr(req, "think", None),
+                "seconds": round(time.perf_counter() - started, 4),
+                "finish_reason": done.finish_reason if done else None,
+                "usage": done.usage() if done else None,
+                "steps": done.steps if done else None,
+                "error": error,
+                "request": body,
+            }
+        )
+
+    async def sse(
+        kind: str,
+        rid: str,
+        req: Any,
+        body: dict[str, Any],
+        started: float,
+        channel: Channel,
+        cancel: CancelToken,
+    ) -> AsyncIterator[str]:
+        chunk = R.ChunkWriter(kind, rid, req.model, req.include_usage)
+        done, error = None, None
+        try:
+            if kind == "chat":
+                yield chunk.role()
+            while True:
+                event = await channel.get()
+                if isinstance(event, Delta):
+                    yield chunk.delta(event)
+                elif isinstance(event, Done):
+                    done = event
+                    yield chunk.finish(event)
+                    break
+                elif isinstance(event, Failed):
+                    error = event.error.message
+                    yield R.sse(event.error.body())
+                    break
+            yield R.sse_done()
+        finally:
+            if done is None and error is None:
+                cancel.cancel()  # the client went away: stop between denoise steps
+                error = "client disconnected"
+            record(kind, rid, req, 200, started, done, error, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        started = time.perf_counter()
+        check_auth(request)
+        body = await read_json(request)
+        req = parse_chat(body, model_id)
+        ids, forced, tools = await run_in_threadpool(chat_prompt, req)
+        channel, cancel = Channel(), CancelToken()
+        submit(ChatJob(req, ids, forced, tok, tools, metrics, channel, cancel))
+        rid = R.new_id("chatcmpl")
+        if req.stream:
+            return StreamingResponse(
+                sse("chat", rid, req, body, started, channel, cancel), media_type="text/event-stream"
+            )
+        deltas, done = await wait_all(request, channel, cancel)
+        record("chat", rid, req, 200, started, done, None, body)
+        return R.chat_completion(rid, req.model, deltas, done)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        started = time.perf_counter()
+        check_auth(request)
+        body = await read_json(request)
+        req = parse_completion(body, model_id)
+        ids = await run_in_threadpool(completion_prompt, req)
+        channel, cancel = Channel(), CancelToken()
+        submit(CompletionJob(req, ids, tok, metrics, channel, cancel))
+        rid = R.new_id("cmpl")
+        if req.stream:
+            return StreamingResponse(
+                sse("completion", rid, req, body, started, channel, cancel), media_type="text/event-stream"
+            )
+        deltas, done = await wait_all(request, channel, cancel)
+        record("completion", rid, req, 200, started, done, None, body)
+        prefix = req.prompt if req.echo and isinstance(req.prompt, str) else ""
+        return R.text_completion(rid, req.model, prefix, deltas, done)
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": model_id,
+            "object": "model",
+            "created": created,
+            "owned_by": "diffgemma",
+            "context_length": ctx,
+        }
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Any:
+        check_auth(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request) -> Any:
+        check_auth(request)
+        resolve_model(name, model_id)
+        return {**model_card(), "id": name}
+
+    @app.get("/health")
+    async def health() -> Any:
+        return {
+            "status": "ok",
+            "model": model_id,
+            "queue_depth": worker.depth,
+            "conversations": len(registry),
+        }
+
+    @app.get("/metrics")
+    async def prometheus(request: Request) -> Any:
+        check_auth(request)
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

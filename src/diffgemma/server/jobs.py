@@ -1,0 +1,399 @@
+"""What runs on the engine worker for one request: generate, parse, validate, stream, finalize the turn.
+
+The job turns committed blocks into `Delta` events for the request's `Channel` and ends with `Done` or
+`Failed`. Chat replies are parsed by the chat StreamParser (thought channel -> reasoning, tool-call grammar
+-> tool calls); stop strings cut the content and cancel the generation between denoise steps.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from diffgemma.chat.parser import Content, Event, Reasoning, StreamParser, ToolCall, coalesce
+from diffgemma.chat.tokenizer import ChatTokenizer
+from diffgemma.engine.generate import CancelToken, GenerateOutput
+from diffgemma.server.errors import APIError
+from diffgemma.server.metrics import Metrics
+from diffgemma.server.registry import Registry
+from diffgemma.server.schema import ChatRequest, CompletionRequest
+from diffgemma.server.worker import Channel
+from diffgemma.session import Conversation
+
+VALIDATION_ATTEMPTS = 3  # json_object / required tool call: tries, each with a new seed
+
+
+@dataclass
+class Delta:
+    kind: str  # "reasoning", "content" or "tool_call"
+    text: str = ""
+    call: dict[str, Any] | None = None
+
+
+@dataclass
+class Done:
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    steps: int = 0
+    attempts: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def usage(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass
+class Failed:
+    error: APIError
+
+
+class LinkedCancel(CancelToken):
+    """Cancelled by its own `cancel()` (a stop string matched) or by the client's token."""
+
+    def __init__(self, parent: CancelToken) -> None:
+        super().__init__()
+        self.parent = parent
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set() or self.parent.cancelled
+
+
+class StopFilter:
+    """Cuts streamed text at the first stop string, holding back a tail that may start one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.held = ""
+        self.hit = False
+
+    def push(self, text: str) -> str:
+        if self.hit:
+            return ""
+        if not self.stops:
+            return text
+        s = self.held + text
+        cut = min((i for i in (s.find(stop) for stop in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.hit, self.held = True, ""
+            return s[:cut]
+        keep = max((k for stop in self.stops for k in range(1, len(stop)) if s.endswith(stop[:k])), default=0)
+        self.held = s[len(s) - keep :] if keep else ""
+        return s[: len(s) - keep]
+
+    def flush(self) -> str:
+        out, self.held = ("" if self.hit else self.held), ""
+        return out
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def strip_json(text: str) -> str | None:
+    """The JSON object in `text` (a ```json fence allowed), or None if there is none."""
+    s = text.strip()
+    if s.startswith("```"):
+        s = s.split("\n", 1)[1] if "\n" in s else ""
+        s = s.rsplit("```", 1)[0].strip()
+    try:
+        value = json.loads(s)
+    except ValueError:
+        return None
+    return s if isinstance(value, dict) else None
+
+
+class _Base:
+    """Fields and bookkeeping common to chat and raw completion jobs."""
+
+    def __init__(self, ids: list[int], metrics: Metrics, channel: Channel, cancel: CancelToken) -> None:
+        self.ids = ids
+        self.metrics = metrics
+        self.channel = channel
+        self.cancel = cancel
+        self.enqueued_at = time.perf_counter()
+        self.started_at = 0.0
+        self._first = True
+
+    def fail(self, error: APIError) -> None:
+        self.channel.put(Failed(error))
+
+    def _begin(self) -> None:
+        self.started_at = time.perf_counter()
+        self.metrics.queue_wait.observe(self.started_at - self.enqueued_at)
+
+    def _first_block(self) -> None:
+        if self._first:
+            self._first = False
+            self.metrics.first_token.observe(time.perf_counter() - self.enqueued_at)
+
+    def _generate(
+        self,
+        registry: Registry,
+        ids: list[int],
+        max_tokens: int | None,
+        seed: int,
+        on_block,
+        cancel: CancelToken,
+    ) -> tuple[GenerateOutput, Conversation]:
+        try:
+            out, conv = registry.generate(
+                ids, max_new_tokens=max_tokens, seed=seed, on_block=on_block, cancel=cancel
+            )
+        except ValueError as exc:  # the engine's own checks (context) after the server's
+            raise APIError(400, str(exc), code="context_length_exceeded") from None
+        m = self.metrics
+        m.prompt_tokens.inc(len(ids))
+        m.cached_tokens.inc(out.reused_tokens)
+        m.generated_tokens.inc(len(out.token_ids))
+        m.denoise_steps.inc(out.steps)
+        m.prefill_seconds.observe(out.prefill_seconds)
+        m.denoise_seconds.observe(out.denoise_seconds)
+        return out, conv
+
+
+@dataclass
+class _Attempt:
+    out: GenerateOutput
+    conv: Conversation
+    events: list[Delta]
+    finish: str
+    content: str
+    calls: list[dict[str, Any]]
+
+
+class ChatJob(_Base):
+    def __init__(
+        self,
+        request: ChatRequest,
+        ids: list[int],
+        forced: list[int],
+        tokenizer: ChatTokenizer,
+        render_tools: list[dict[str, Any]] | None,
+        metrics: Metrics,
+        channel: Channel,
+        cancel: CancelToken,
+    ) -> None:
+        super().__init__(ids, metrics, channel, cancel)
+        self.req = request
+        self.forced = forced  # reply tokens the prompt forces (tool_choice required / named)
+        self.tok = tokenizer
+        self.render_tools = render_tools
+
+    def run(self, registry: Registry) -> None:
+        self._begin()
+        req = self.req
+        validated = req.json_mode or req.tool_choice.mode == "required"
+        attempts = VALIDATION_ATTEMPTS if validated else 1
+        problem = None
+        for i in range(attempts):
+            # Validated replies are buffered: only a reply that passes is streamed.
+            emit = None if validated else self._emit
+            att = self._attempt(registry, req.seed + i, emit)
+            if self.cancel.cancelled or not validated:
+                break
+            problem = self._problem(att)
+            if problem is None:
+                break
+            if i + 1 < attempts:
+                self.metrics.retries.inc()
+        if problem is not None:
+            self.metrics.finished.inc(reason="invalid")
+            self.fail(
+                APIError(
+                    422,
+                    f"{problem} after {attempts} attempts (seeds {req.seed}..{req.seed + attempts - 1})",
+                    type="invalid_response_error",
+                    code="invalid_model_output",
+                )
+            )
+            return
+        if validated:
+            for delta in att.events:
+                self._emit(delta)
+        out = att.out
+        self.metrics.finished.inc(reason=att.finish)
+        self.channel.put(
+            Done(
+                finish_reason=att.finish,
+                prompt_tokens=len(self.ids),
+                completion_tokens=len(self.forced) + len(out.token_ids),
+                cached_tokens=min(out.reused_tokens, len(self.ids)),
+                steps=out.steps,
+                attempts=i + 1,
+            )
+        )
+        if not self.cancel.cancelled:
+            self._finalize(registry, att)
+
+    def _emit(self, delta: Delta) -> None:
+        self._first_block()
+        self.channel.put(delta)
+
+    def _attempt(self, registry: Registry, seed: int, emit: Callable[[Delta], None] | None) -> _Attempt:
+        events: list[Delta] = []
+        parser = StreamParser(self.tok)
+        parser.feed(self.forced)  # puts the parser inside the forced tool call: no events yet
+        stops = StopFilter(self.req.stop)
+        cancel = LinkedCancel(self.cancel)
+        calls: list[dict[str, Any]] = []
+        content: list[str] = []
+
+        def send(delta: Delta) -> None:
+            events.append(delta)
+            if emit is not None:
+                emit(delta)
+
+        def handle(batch: list[Event]) -> None:
+            for ev in coalesce(batch):
+                if isinstance(ev, Reasoning) and ev.text:
+                    send(Delta("reasoning", ev.text))
+                elif isinstance(ev, Content) or (
+                    isinstance(ev, ToolCall) and self.req.tool_choice.mode == "none"
+                ):
+                    text = stops.push(ev.text if isinstance(ev, Content) else ev.raw)
+                    if text:
+                        content.append(text)
+                        send(Delta("content", text))
+                    if stops.hit:
+                        cancel.cancel()  # the rest of the reply is not wanted
+                elif isinstance(ev, ToolCall) and not stops.hit:
+                    call = {
+                        "index": len(calls),
+                        "id": new_call_id(),
+                        "type": "function",
+                        "function": {"name": ev.name, "arguments": ev.arguments_json},
+                    }
+                    calls.append(call)
+                    send(Delta("tool_call", call=call))
+
+        out, conv = self._generate(
+            registry,
+            self.ids + self.forced,
+            self.req.max_tokens,
+            seed,
+            lambda ids: handle(parser.feed(ids)),
+            cancel,
+        )
+        handle(parser.finish(out.finish_reason))
+        tail = stops.flush()
+        if tail:
+            content.append(tail)
+            send(Delta("content", tail))
+        if stops.hit:
+            finish = "stop"
+        elif self.cancel.cancelled:
+            finish = "cancelled"
+        else:
+            finish = "tool_calls" if calls else out.finish_reason
+        return _Attempt(out, conv, events, finish, "".join(content), calls)
+
+    def _problem(self, att: _Attempt) -> str | None:
+        choice = self.req.tool_choice
+        if choice.mode == "required":
+            if not att.calls:
+                return "the model did not produce a valid tool call"
+            if choice.name and any(c["function"]["name"] != choice.name for c in att.calls):
+                return f"the model did not call {choice.name!r}"
+        if self.req.json_mode and not att.calls:
+            cleaned = strip_json(att.content)
+            if cleaned is None:
+                return "the model did not produce a valid JSON object"
+            att.content = cleaned
+            att.events = [d for d in att.events if d.kind != "content"] + [Delta("content", cleaned)]
+        return None
+
+    def _finalize(self, registry: Registry, att: _Attempt) -> None:
+        """Re-render the finished turn as the client will send it back and make the KV hold exactly that.
+        A tool-calling turn is rendered with empty content, so it ends at the `<|tool_response>` opener
+        and the client's next request (which adds the results) extends it."""
+        calls = [
+            {
+                "id": c["id"],
+                "type": "function",
+                "function": {
+                    "name": c["function"]["name"],
+                    "arguments": json.loads(c["function"]["arguments"]),
+                },
+            }
+            for c in att.calls
+        ]
+        reply: dict[str, Any] = {"role": "assistant", "content": "" if calls else att.content}
+        if calls:
+            reply["tool_calls"] = calls
+        text = self.tok.render(
+            [*self.req.messages, reply],
+            tools=self.render_tools,
+            add_generation_prompt=False,
+            enable_thinking=self.req.think,
+        )
+        registry.finalize(att.conv, self.tok.encode(text))
+
+
+class CompletionJob(_Base):
+    def __init__(
+        self,
+        request: CompletionRequest,
+        ids: list[int],
+        tokenizer: ChatTokenizer | None,
+        metrics: Metrics,
+        channel: Channel,
+        cancel: CancelToken,
+    ) -> None:
+        super().__init__(ids, metrics, channel, cancel)
+        self.req = request
+        self.tok = tokenizer
+
+    def run(self, registry: Registry) -> None:
+        self._begin()
+        stops = StopFilter(self.req.stop)
+        cancel = LinkedCancel(self.cancel)
+        generated: list[int] = []
+        sent = 0  # characters of the decoded reply already sent
+
+        def on_block(ids: list[int]) -> None:
+            nonlocal sent
+            self._first_block()
+            generated.extend(ids)
+            text = self._decode(generated)
+            if text.endswith("\ufffd"):  # an incomplete character: wait for the next block
+                return
+            piece = stops.push(text[sent:])
+            sent = len(text)
+            if piece:
+                self.channel.put(Delta("content", piece))
+            if stops.hit:
+                cancel.cancel()
+
+        out, _ = self._generate(registry, self.ids, self.req.max_tokens, self.req.seed, on_block, cancel)
+        text = self._decode(generated)
+        piece = stops.push(text[sent:]) + stops.flush()
+        if piece:
+            self.channel.put(Delta("content", piece))
+        finish = "stop" if stops.hit else ("cancelled" if self.cancel.cancelled else out.finish_reason)
+        self.metrics.finished.inc(reason=finish)
+        self.channel.put(
+            Done(
+                finish_reason=finish,
+                prompt_tokens=len(self.ids),
+                completion_tokens=len(out.token_ids),
+                cached_tokens=min(out.reused_tokens, len(self.ids)),
+                steps=out.steps,
+            )
+        )
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.tok is None:
+            return ""
+        return self.tok.decode(ids)

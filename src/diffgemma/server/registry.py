@@ -1,0 +1,121 @@
+"""Conversation routing: each request runs on the cached token log that shares its longest prefix.
+
+Only the engine worker thread touches a registry. A conversation's KV holds exactly its token log, and the
+KV of a prefix depends only on that prefix, so reusing the longest common prefix never lets one
+conversation's tokens into another's answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from diffgemma.engine.engine import Engine
+from diffgemma.engine.generate import GenerateOutput
+from diffgemma.model.kv_cache import KVCache
+from diffgemma.session import Conversation, common_prefix
+
+log = logging.getLogger("diffgemma.server")
+
+# Below this many shared tokens a divergent request starts a fresh conversation rather than copying KV.
+MIN_FORK_TOKENS = 16
+
+
+class Registry:
+    def __init__(self, engine: Engine, ctx: int, max_conversations: int = 4) -> None:
+        if max_conversations < 1:
+            raise ValueError("max_conversations must be at least 1")
+        self.engine = engine
+        self.ctx = ctx
+        self.max_conversations = max_conversations
+        self.conversations: list[Conversation] = []
+        self._used: dict[int, float] = {}  # id(conversation) -> last use
+
+    def __len__(self) -> int:
+        return len(self.conversations)
+
+    def _touch(self, conv: Conversation) -> Conversation:
+        self._used[id(conv)] = time.monotonic()
+        return conv
+
+    def _lru(self) -> Conversation:
+        return min(self.conversations, key=lambda c: self._used[id(c)])
+
+    def _blank(self, keep: Conversation | None = None) -> Conversation:
+        """A new conversation, or the least recently used one (never `keep`) reset when at the bound."""
+        if len(self.conversations) < self.max_conversations:
+            conv = Conversation(self.engine, self.ctx)
+            self.conversations.append(conv)
+            return conv
+        victims = [c for c in self.conversations if c is not keep] or self.conversations
+        conv = min(victims, key=lambda c: self._used[id(c)])
+        log.info("evicting a conversation of %d tokens (least recently used)", len(conv.log))
+        conv.reset()
+        return conv
+
+    def route(self, ids: list[int]) -> Conversation:
+        """The conversation to run `ids` on. A request that extends a log continues it; one that diverges
+        from a log gets a copy of the shared prefix, so the other branch stays cached for its own client."""
+        best, shared = None, 0
+        for conv in sorted(self.conversations, key=lambda c: -self._used[id(c)]):
+            n = common_prefix(conv.log, ids)
+            if n > shared:
+                best, shared = conv, n
+        if best is None:
+            return self._touch(self._blank())
+        if shared == len(best.log) or self.max_conversations == 1:
+            return self._touch(best)
+        if shared < MIN_FORK_TOKENS or not best.kv.can_truncate(shared):
+            return self._touch(self._blank(keep=best))
+        fork = self._blank(keep=best)
+        copy_prefix(best.kv, fork.kv, shared)
+        fork.log = best.log[:shared]
+        return self._touch(fork)
+
+    def generate(self, ids: list[int], **kwargs: Any) -> tuple[GenerateOutput, Conversation]:
+        conv = self.route(ids)
+        return conv.generate(ids, **kwargs), conv
+
+    def finalize(self, conv: Conversation, ids: list[int]) -> None:
+        """Make `conv` hold exactly `ids` (the canonical render of the finished turn): truncate to the shared
+        prefix and prefill the rest, so the client's next request finds its whole history cached."""
+        if len(ids) + 1 >= conv.max_tokens:
+            return
+        n = conv.sync(ids)
+        rest = ids[n:]
+        if not rest:
+            return
+        try:
+            prefill(self.engine, rest, conv.kv)
+        except BaseException:
+            conv.reset()  # never leave the log and the cache disagreeing
+            raise
+        conv.log = list(ids)
+
+    def check(self) -> None:
+        """The invariant every conversation keeps (tests call this)."""
+        for conv in self.conversations:
+            assert len(conv.log) == conv.kv.length, (len(conv.log), conv.kv.length)
+
+
+def prefill(engine: Engine, ids: list[int], kv: KVCache) -> None:
+    """Extend `kv` by `ids` with the engine's prefill precision policy (short prompts in fp32)."""
+    cfg, model = engine.sampler, engine.model
+    f32 = 0 < len(ids) <= cfg.prefill_f32_max_tokens and model.dtype != torch.float32
+    model.prefill(torch.tensor([ids], dtype=torch.long), kv, compute_dtype=torch.float32 if f32 else None)
+
+
+def copy_prefix(src: KVCache, dst: KVCache, n: int) -> None:
+    """Make `dst` hold the first `n` positions of `src` (same geometry; `src.can_truncate(n)`)."""
+    for layer in range(len(src.k)):
+        if src.cfg.is_sliding(layer):  # a ring: copy it whole, the slots of positions < n are valid
+            dst.k[layer].copy_(src.k[layer])
+            dst.v[layer].copy_(src.v[layer])
+        else:
+            dst.k[layer][:, :, :n].copy_(src.k[layer][:, :, :n])
+            dst.v[layer][:, :, :n].copy_(src.v[layer][:, :, :n])
+    dst.length = src.length
+    dst.truncate(n)

@@ -1,0 +1,85 @@
+"""`serve`: load a model, size the KV budget to the machine, and run the app under uvicorn (blocking)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from diffgemma.engine.engine import Engine, load
+from diffgemma.server.app import DEFAULT_MAX_CONVERSATIONS, DEFAULT_MAX_QUEUE, create_app
+
+log = logging.getLogger("diffgemma.server")
+
+MEMORY_SHARE = 0.8  # of the memory free after loading, what the conversations' KV caches may take
+
+
+def kv_bytes(engine: Engine, ctx: int) -> int:
+    """Bytes of one conversation's preallocated KV cache at context `ctx` (as KVCache lays it out)."""
+    cfg = engine.config
+    ring = min(ctx, cfg.sliding_window + max(2 * cfg.canvas_length, 1024))
+    size = torch.empty((), dtype=engine.model.dtype).element_size()
+    total = 0
+    for layer in range(cfg.num_layers):
+        slots = ring if cfg.is_sliding(layer) else ctx
+        total += 2 * slots * cfg.num_kv_heads[layer] * cfg.head_dims[layer] * size
+    return total
+
+
+def free_memory(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def plan_memory(engine: Engine, ctx: int, max_conversations: int) -> tuple[int, int]:
+    """Bound the context and the number of cached conversations by the memory left after the weights."""
+    free = free_memory(engine.model.device)
+    if free is None:
+        return ctx, max_conversations
+    budget = int(free * MEMORY_SHARE)
+    if kv_bytes(engine, ctx) > budget:
+        per_token = max(1, kv_bytes(engine, 2) - kv_bytes(engine, 1))
+        fitted = max(engine.config.canvas_length * 2, budget // per_token)
+        log.warning("--ctx %d does not fit in memory (%.1f GiB free); using %d", ctx, free / 2**30, fitted)
+        ctx = min(ctx, fitted)
+    conversations = max(1, min(max_conversations, budget // max(1, kv_bytes(engine, ctx))))
+    if conversations < max_conversations:
+        log.warning("memory holds the KV of %d conversations, not %d", conversations, max_conversations)
+    return ctx, conversations
+
+
+def serve(
+    model_path: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    ctx: int = 131072,
+    api_key: str | None = None,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    log_dir: str | Path | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    max_conversations: int = DEFAULT_MAX_CONVERSATIONS,
+) -> None:
+    """Serve the model at `model_path` with the OpenAI API until interrupted."""
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = load(model_path, device=device, dtype=dtype, max_tokens=ctx)
+    ctx, conversations = plan_memory(engine, ctx, max_conversations)
+    engine.max_tokens = ctx
+    app = create_app(
+        engine,
+        ctx=ctx,
+        api_key=api_key,
+        max_queue=max_queue,
+        log_dir=log_dir,
+        max_conversations=conversations,
+    )
+    log.info("serving %s at http://%s:%d/v1 (context %d)", app.state.model_id, host, port, ctx)
+    uvicorn.run(app, host=host, port=port, log_level="info")

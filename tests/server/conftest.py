@@ -1,0 +1,151 @@
+"""A real server on an ephemeral loopback port (uvicorn in a thread) over a tiny random model."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import uvicorn
+from openai import OpenAI
+
+import diffgemma
+import diffgemma.engine.engine as engine_module
+from diffgemma.engine.generate import GenerateOutput
+from diffgemma.server import create_app
+from diffgemma.testing import write_tiny_checkpoint
+
+CTX = 1024
+MODEL = "tiny-diffgemma"
+
+
+class ServerThread:
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self._thread.join(10)
+        self._sock.close()
+
+    def client(self, **kwargs: Any) -> OpenAI:
+        kwargs.setdefault("api_key", "unused")
+        return OpenAI(base_url=self.base + "/v1", max_retries=0, timeout=30, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("models") / MODEL, seed=3)
+
+
+@pytest.fixture(scope="session")
+def engine(model_dir: Path) -> diffgemma.Engine:
+    return diffgemma.load(model_dir, "cpu", max_tokens=CTX, max_denoising_steps=4)
+
+
+@pytest.fixture(scope="module")
+def server(engine, tmp_path_factory) -> Iterator[ServerThread]:
+    app = create_app(engine, ctx=CTX, log_dir=tmp_path_factory.mktemp("log"))
+    with ServerThread(app) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server: ServerThread) -> OpenAI:
+    return server.client()
+
+
+class Script:
+    """Stands in for the block loop: prefills the prompt into the real KV (so reuse stays real) and
+    returns chosen replies, one per generation, committed in blocks of `block` tokens."""
+
+    def __init__(self, engine: diffgemma.Engine, replies: list[str | list[int]], block: int = 4) -> None:
+        self.engine = engine
+        self.replies = list(replies)
+        self.block = block
+        self.prompts: list[list[int]] = []  # the uncached prompt tokens of each generation
+
+    def __call__(
+        self, model, prompt_ids, kv, cfg, seed, max_new, on_step, on_block, cancel
+    ) -> GenerateOutput:
+        self.prompts.append(list(prompt_ids))
+        if prompt_ids:
+            model.prefill(torch.tensor([prompt_ids], dtype=torch.long), kv)
+        reply = self.replies.pop(0)
+        ids = self.engine.tokenizer.encode(reply) if isinstance(reply, str) else list(reply)
+        ids = ids[:max_new]
+        out = GenerateOutput(
+            token_ids=[], prompt_tokens=len(prompt_ids), finish_reason="stop", stop_token=106
+        )
+        for start in range(0, len(ids), self.block):
+            if cancel is not None and cancel.cancelled:
+                out.finish_reason = "cancelled"
+                break
+            if out.token_ids:  # the previous block is prefilled before the next one, as the real loop does
+                model.prefill(torch.tensor([out.token_ids[-self.block :]], dtype=torch.long), kv)
+                out.cached_tokens = len(out.token_ids)
+            chunk = ids[start : start + self.block]
+            out.token_ids += chunk
+            out.steps += 1
+            out.blocks += 1
+            if on_block is not None:
+                on_block(chunk)
+        return out
+
+
+@pytest.fixture
+def script(engine, monkeypatch) -> Callable[..., Script]:
+    def make(*replies: str | list[int], block: int = 4) -> Script:
+        s = Script(engine, list(replies), block)
+        monkeypatch.setattr(engine_module, "generate", s)
+        return s
+
+    return make
+
+
+@pytest.fixture
+def renders(engine, monkeypatch) -> list[dict[str, Any]]:
+    """Every prompt the server renders: {'text', 'messages', 'tools', 'enable_thinking', 'add_generation_prompt'}."""
+    seen: list[dict[str, Any]] = []
+    real = engine.tokenizer.render
+
+    def spy(messages, tools=None, add_generation_prompt=True, enable_thinking=False):
+        text = real(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            enable_thinking=enable_thinking,
+        )
+        seen.append(
+            dict(
+                text=text,
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                enable_thinking=enable_thinking,
+            )
+        )
+        return text
+
+    monkeypatch.setattr(engine.tokenizer, "render", spy)
+    return seen
