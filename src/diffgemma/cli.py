@@ -358,7 +358,7 @@ def serve(
     port: int = typer.Option(8080, "--port"),
     ctx: int = typer.Option(131072, "--ctx", help="Context budget per conversation."),
     api_key: str | None = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY'."),
-    max_queue: int = typer.Option(16, "--max-queue", help="Requests waiting beyond this get 503."),
+    max_queue: int = typer.Option(64, "--max-queue", help="Requests waiting beyond this get 503."),
     log_dir: Path | None = typer.Option(None, "--log-dir", help="Write a JSONL request log here."),
     device: str | None = DEVICE,
     dtype: str | None = DTYPE,

@@ -6,6 +6,7 @@ from typing import Any
 
 from diffgemma.engine.engine import Engine
 from diffgemma.engine.generate import GenerateOutput
+from diffgemma.model.kv_cache import REWIND_SLACK, ring_slots
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -19,9 +20,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class Conversation:
     """Invariant: `log` holds exactly the tokens whose K/V are in `kv` (len(log) == kv.length)."""
 
-    def __init__(self, engine: Engine, max_tokens: int | None = None):
+    def __init__(self, engine: Engine, max_tokens: int | None = None, rewind_slack: int = REWIND_SLACK):
         self.engine = engine
-        self.kv = engine.new_cache(max_tokens)
+        max_tokens = max_tokens or engine.max_tokens
+        self.kv = engine.model.new_cache(max_tokens, ring_size=ring_slots(engine.config, max_tokens, rewind_slack))
         self.log: list[int] = []
 
     @property

@@ -8,6 +8,21 @@ import torch
 
 from diffgemma.config import ModelConfig
 
+# Ring slots beyond the window: how far a conversation can rewind (e.g. to re-render a reply without its
+# thought channel) before it must re-prefill.
+REWIND_SLACK = 1024
+
+
+def ring_slots(cfg: ModelConfig, max_tokens: int, rewind_slack: int = REWIND_SLACK) -> int:
+    return min(max_tokens, cfg.sliding_window + max(2 * cfg.canvas_length, rewind_slack))
+
+
+def cache_bytes(cfg: ModelConfig, max_tokens: int, dtype: torch.dtype, ring_size: int) -> int:
+    """Bytes a KVCache of these dimensions allocates."""
+    size = torch.empty((), dtype=dtype).element_size()
+    slots = [ring_size if cfg.is_sliding(i) else max_tokens for i in range(cfg.num_layers)]
+    return sum(2 * s * cfg.num_kv_heads[i] * cfg.head_dims[i] * size for i, s in enumerate(slots))
+
 
 class KVCache:
     """K and V for every layer, shaped [1, kv_heads, slots, head_dim].
@@ -30,8 +45,7 @@ class KVCache:
         self.cfg = cfg
         self.max_tokens = max_tokens
         self.window = cfg.sliding_window
-        # Slack above the window lets a conversation rewind (e.g. a reply re-rendered without its thought channel).
-        self.ring_size = ring_size or min(max_tokens, cfg.sliding_window + max(2 * cfg.canvas_length, 1024))
+        self.ring_size = ring_size or ring_slots(cfg, max_tokens)
         if self.ring_size < min(max_tokens, self.window - 1):
             raise ValueError(f"ring_size {self.ring_size} is smaller than the window - 1 ({self.window - 1})")
         self.length = 0

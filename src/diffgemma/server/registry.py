@@ -22,6 +22,9 @@ log = logging.getLogger("diffgemma.server")
 
 # Below this many shared tokens a divergent request starts a fresh conversation rather than copying KV.
 MIN_FORK_TOKENS = 16
+# A served reply is rewound and re-rendered after each turn; keep replies up to this long rewindable
+# (0.2 MB per slot on the real model) instead of re-prefilling the whole conversation.
+SERVE_REWIND_SLACK = 4096
 
 
 class Registry:
@@ -47,7 +50,7 @@ class Registry:
     def _blank(self, keep: Conversation | None = None) -> Conversation:
         """A new conversation, or the least recently used one (never `keep`) reset when at the bound."""
         if len(self.conversations) < self.max_conversations:
-            conv = Conversation(self.engine, self.ctx)
+            conv = Conversation(self.engine, self.ctx, rewind_slack=SERVE_REWIND_SLACK)
             self.conversations.append(conv)
             return conv
         victims = [c for c in self.conversations if c is not keep] or self.conversations

@@ -9,7 +9,9 @@ from pathlib import Path
 import torch
 
 from diffgemma.engine.engine import Engine, load
+from diffgemma.model.kv_cache import cache_bytes, ring_slots
 from diffgemma.server.app import DEFAULT_MAX_CONVERSATIONS, DEFAULT_MAX_QUEUE, create_app
+from diffgemma.server.registry import SERVE_REWIND_SLACK
 
 log = logging.getLogger("diffgemma.server")
 
@@ -17,15 +19,9 @@ MEMORY_SHARE = 0.8  # of the memory free after loading, what the conversations' 
 
 
 def kv_bytes(engine: Engine, ctx: int) -> int:
-    """Bytes of one conversation's preallocated KV cache at context `ctx` (as KVCache lays it out)."""
+    """Bytes of one conversation's preallocated KV cache at context `ctx`."""
     cfg = engine.config
-    ring = min(ctx, cfg.sliding_window + max(2 * cfg.canvas_length, 1024))
-    size = torch.empty((), dtype=engine.model.dtype).element_size()
-    total = 0
-    for layer in range(cfg.num_layers):
-        slots = ring if cfg.is_sliding(layer) else ctx
-        total += 2 * slots * cfg.num_kv_heads[layer] * cfg.head_dims[layer] * size
-    return total
+    return cache_bytes(cfg, ctx, engine.model.dtype, ring_slots(cfg, ctx, SERVE_REWIND_SLACK))
 
 
 def free_memory(device: torch.device) -> int | None:
