@@ -109,7 +109,9 @@ class Display:
 
     def on_step(self, info) -> None:
         if self.live is not None:
-            self.live.update(self._view(self.tok.decode(info.argmax.tolist(), skip_special=True)), refresh=True)
+            self.live.update(
+                self._view(self.tok.decode(info.argmax.tolist(), skip_special=True)), refresh=True
+            )
 
     def on_block(self, ids: list[int]) -> None:
         if self.parser is None:
@@ -156,6 +158,23 @@ def ctrl_c_cancels(cancel) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def stream_reply(engine, generate: Callable[..., Any], ids: list[int], quiet: bool, **kwargs: Any):
+    """Run `generate` with the display and Ctrl-C cancellation wired in; returns (output, wall seconds)."""
+    from diffgemma.engine.generate import CancelToken
+
+    display = Display(engine, quiet=quiet)
+    cancel = CancelToken()
+    t0 = time.perf_counter()
+    try:
+        with ctrl_c_cancels(cancel):
+            out = generate(ids, on_step=display.on_step, on_block=display.on_block, cancel=cancel, **kwargs)
+    finally:
+        display.stop()
+    wall = time.perf_counter() - t0
+    display.close(out)
+    return out, wall
 
 
 def summary(out, wall: float) -> str:
@@ -212,7 +231,6 @@ def ask(
     dtype: str | None = DTYPE,
 ) -> None:
     """Answer one prompt, streaming the reply as blocks commit."""
-    from diffgemma.engine.generate import CancelToken
 
     with one_line_errors():
         text = sys.stdin.read() if prompt == "-" else prompt
@@ -220,18 +238,7 @@ def ask(
             raise CliError("empty prompt", 2)
         engine = load_engine(model, device, dtype, ctx)
         ids = _prompt_ids(engine, text, raw, think, ctx)
-        display = Display(engine, quiet=json_out)
-        cancel = CancelToken()
-        t0 = time.perf_counter()
-        try:
-            with ctrl_c_cancels(cancel):
-                out = engine.generate(
-                    ids, max_tokens, seed, on_step=display.on_step, on_block=display.on_block, cancel=cancel
-                )
-        finally:
-            display.stop()
-        wall = time.perf_counter() - t0
-        display.close(out)
+        out, wall = stream_reply(engine, engine.generate, ids, json_out, max_new_tokens=max_tokens, seed=seed)
         if json_out:
             print(json.dumps(result_json(out, wall, model=str(engine.path), seed=seed)))
         _stderr(summary(out, wall))
@@ -252,7 +259,6 @@ def chat(
     dtype: str | None = DTYPE,
 ) -> None:
     """Interactive chat with history; only each new turn is prefilled (the KV cache is reused)."""
-    from diffgemma.engine.generate import CancelToken
     from diffgemma.session import Conversation
 
     with one_line_errors():
@@ -294,23 +300,9 @@ def chat(
                     f"error: conversation is {len(ids)} tokens, longer than --ctx {ctx}; /reset to start over"
                 )
                 continue
-            display = Display(engine, quiet=json_out)
-            cancel = CancelToken()
-            t0 = time.perf_counter()
-            try:
-                with ctrl_c_cancels(cancel):
-                    out = conv.generate(
-                        ids,
-                        max_new_tokens=max_tokens,
-                        seed=seed,
-                        on_step=display.on_step,
-                        on_block=display.on_block,
-                        cancel=cancel,
-                    )
-            finally:
-                display.stop()
-            wall = time.perf_counter() - t0
-            display.close(out)
+            out, wall = stream_reply(
+                engine, conv.generate, ids, json_out, max_new_tokens=max_tokens, seed=seed
+            )
             if out.finish_reason == "cancelled":
                 _stderr("cancelled")
             messages = [*turn, {"role": "assistant", "content": out.text}]
