@@ -1,0 +1,455 @@
+"""A synthetic instruction corpus in the Gemma 4 chat format, for the bundled demo model.
+
+Seven tasks, each rendered with `render_gemma4` (prompt) plus the exact reply text the model must write:
+
+    arith        "What is 17 + 25?"                      -> "17 + 25 = 42<turn|>"
+    retrieval    ~25-40 "key: ddd" lines (longer than the sliding window), "What is the code for KEY?" -> "ddd<turn|>"
+    long         "Count from 37 to 55."                  -> "37, 38, ..., 55<turn|>" (2-4 canvas blocks)
+    tool_call    a request that needs one of the declared tools -> '<|tool_call>call:NAME{...}<tool_call|><|tool_response>'
+    tool_answer  the same after the tool result          -> a sentence built from the result + "<turn|>"
+    think        thinking on: "Which number is larger, 37 or 52?" -> "<|channel>thought\\n...\\n<channel|>52 is larger.<turn|>"
+    yesno        parity / comparison / category questions -> "Yes<turn|>" or "No<turn|>"
+
+Everything is deterministic for a seed. The held-out split is decided by a hash of each example's identity
+(the operands for arithmetic, the rendered prompt otherwise): an example whose hash falls in the held-out
+bucket is never produced for training, so evaluation prompts are unseen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from diffgemma.chat.template import render_gemma4
+from diffgemma.chat.toolcall import format_call
+
+TASKS = ("arith", "retrieval", "long", "tool_call", "tool_answer", "think", "yesno")
+# Share of each task in a training batch.
+TASK_WEIGHTS = {
+    "arith": 0.20,
+    "retrieval": 0.24,
+    "long": 0.12,
+    "tool_call": 0.14,
+    "tool_answer": 0.10,
+    "think": 0.10,
+    "yesno": 0.10,
+}
+HELDOUT_BUCKETS = 10  # 1 in 10 identities is held out
+TURN_END = "<turn|>"
+TOOL_RESPONSE = "<|tool_response>"
+
+ANIMALS = [
+    "cat",
+    "dog",
+    "fox",
+    "wolf",
+    "bear",
+    "lion",
+    "tiger",
+    "horse",
+    "cow",
+    "sheep",
+    "goat",
+    "pig",
+    "duck",
+    "goose",
+    "owl",
+    "eagle",
+    "hawk",
+    "crow",
+    "frog",
+    "toad",
+    "snake",
+    "lizard",
+    "shark",
+    "whale",
+    "seal",
+    "otter",
+    "mouse",
+    "rat",
+    "rabbit",
+    "deer",
+    "moose",
+    "camel",
+    "zebra",
+    "panda",
+    "koala",
+    "monkey",
+    "bee",
+    "ant",
+    "spider",
+    "crab",
+]
+FRUITS = [
+    "apple",
+    "banana",
+    "cherry",
+    "grape",
+    "lemon",
+    "lime",
+    "mango",
+    "melon",
+    "orange",
+    "peach",
+    "pear",
+    "plum",
+    "kiwi",
+    "papaya",
+    "guava",
+    "fig",
+    "date",
+    "apricot",
+    "coconut",
+    "berry",
+]
+OBJECTS = [
+    "chair",
+    "table",
+    "lamp",
+    "book",
+    "pen",
+    "cup",
+    "spoon",
+    "fork",
+    "knife",
+    "plate",
+    "clock",
+    "phone",
+    "radio",
+    "door",
+    "window",
+    "bottle",
+    "basket",
+    "hammer",
+    "brush",
+    "mirror",
+    "pillow",
+    "blanket",
+    "candle",
+    "ladder",
+    "rope",
+    "wheel",
+    "bucket",
+    "kettle",
+]
+CITIES = [
+    "Paris",
+    "London",
+    "Berlin",
+    "Madrid",
+    "Rome",
+    "Vienna",
+    "Prague",
+    "Lisbon",
+    "Dublin",
+    "Oslo",
+    "Stockholm",
+    "Helsinki",
+    "Warsaw",
+    "Athens",
+    "Cairo",
+    "Tokyo",
+    "Seoul",
+    "Beijing",
+    "Delhi",
+    "Mumbai",
+    "Sydney",
+    "Toronto",
+    "Chicago",
+    "Boston",
+    "Denver",
+    "Seattle",
+    "Miami",
+    "Lima",
+    "Bogota",
+    "Nairobi",
+]
+CONDITIONS = ("sunny", "cloudy", "rainy", "windy", "snowy", "foggy")
+CURRENCIES = ("USD", "EUR", "GBP", "JPY", "CHF", "CAD", "AUD", "SEK")
+TIMER_LABELS = ("tea", "pasta", "eggs", "laundry", "break", "workout", "bread", "rice", "meeting", "nap")
+TOPICS = ANIMALS[:20] + FRUITS[:10]
+SYSTEM_PROMPTS = ("You are a helpful assistant.", "Answer briefly.", "You are a precise assistant.")
+
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "description": "The city name"}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "convert_currency",
+            "description": "Convert an amount of money",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "amount": {"type": "integer", "description": "The amount"},
+                    "from_currency": {"type": "string", "description": "Source currency code"},
+                    "to_currency": {"type": "string", "description": "Target currency code"},
+                },
+                "required": ["amount", "from_currency", "to_currency"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "set_timer",
+            "description": "Start a timer",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "label": {"type": "string", "description": "What the timer is for"},
+                    "minutes": {"type": "integer", "description": "Duration in minutes"},
+                },
+                "required": ["minutes", "label"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search_web",
+            "description": "Search the web",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string", "description": "The search query"}},
+                "required": ["query"],
+            },
+        },
+    },
+]
+
+
+@dataclass
+class Example:
+    task: str
+    prompt: str  # rendered chat prompt (starts with <bos>)
+    target: str  # the reply, ending on its stop token (<turn|> or <|tool_response>)
+    identity: str  # what the held-out split hashes
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def stop(self) -> str:
+        return TOOL_RESPONSE if self.target.endswith(TOOL_RESPONSE) else TURN_END
+
+    @property
+    def answer(self) -> str:
+        """The reply as the engine returns it: the target without its stop token."""
+        return self.target[: -len(self.stop)]
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+
+
+def is_heldout(identity: str) -> bool:
+    return _hash(identity) % HELDOUT_BUCKETS == 0
+
+
+def _messages(rng: random.Random, user: str) -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = []
+    if rng.random() < 0.25:
+        msgs.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+    msgs.append({"role": "user", "content": user})
+    return msgs
+
+
+def _arith(rng: random.Random) -> Example:
+    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    op = rng.choice("+-")
+    if op == "-" and b > a:
+        a, b = b, a
+    c = a + b if op == "+" else a - b
+    q = rng.choice(
+        ("What is {a} {op} {b}?", "Compute {a} {op} {b}.", "{a} {op} {b} = ?", "What's {a} {op} {b}?")
+    )
+    prompt = render_gemma4(_messages(rng, q.format(a=a, op=op, b=b)))
+    return Example("arith", prompt, f"{a} {op} {b} = {c}{TURN_END}", f"arith:{a}{op}{b}", {"result": c})
+
+
+def _retrieval(rng: random.Random) -> Example:
+    n = rng.randint(24, 40)
+    keys = rng.sample(ANIMALS + FRUITS + OBJECTS, n)
+    vals = [rng.randint(100, 999) for _ in keys]
+    lines = "\n".join(f"{k}: {v}" for k, v in zip(keys, vals, strict=True))
+    i = rng.randrange(n)
+    q = rng.choice(("What is the code for {k}?", "Which code belongs to {k}?", "Tell me the code for {k}."))
+    user = f"Here is a list of codes.\n{lines}\n{q.format(k=keys[i])}"
+    prompt = render_gemma4(_messages(rng, user))
+    return Example("retrieval", prompt, f"{vals[i]}{TURN_END}", prompt, {"key": keys[i], "index": i, "n": n})
+
+
+def _long(rng: random.Random) -> Example:
+    a = rng.randint(1, 80)
+    b = a + rng.randint(10, 24)
+    q = rng.choice(
+        ("Count from {a} to {b}.", "List the numbers from {a} to {b}.", "Count from {a} up to {b}.")
+    )
+    prompt = render_gemma4(_messages(rng, q.format(a=a, b=b)))
+    target = ", ".join(str(x) for x in range(a, b + 1)) + TURN_END
+    return Example("long", prompt, target, f"long:{a}-{b}:{q}", {})
+
+
+def _tool_request(rng: random.Random) -> tuple[str, str, dict[str, Any]]:
+    kind = rng.choice(("get_weather", "convert_currency", "set_timer", "search_web"))
+    if kind == "get_weather":
+        city = rng.choice(CITIES)
+        user = rng.choice(
+            ("What's the weather like in {c}?", "Is it raining in {c}?", "Weather in {c} please.")
+        )
+        return user.format(c=city), kind, {"city": city}
+    if kind == "convert_currency":
+        amount = rng.randint(1, 999)
+        src, dst = rng.sample(CURRENCIES, 2)
+        user = rng.choice(("Convert {n} {s} to {d}.", "How much is {n} {s} in {d}?"))
+        return (
+            user.format(n=amount, s=src, d=dst),
+            kind,
+            {
+                "amount": amount,
+                "from_currency": src,
+                "to_currency": dst,
+            },
+        )
+    if kind == "set_timer":
+        minutes = rng.randint(1, 90)
+        label = rng.choice(TIMER_LABELS)
+        user = rng.choice(("Set a timer for {m} minutes for the {l}.", "Start a {m} minute timer for {l}."))
+        return user.format(m=minutes, l=label), kind, {"label": label, "minutes": minutes}
+    query = " ".join(rng.sample(TOPICS, 2))
+    user = rng.choice(("Search the web for {q}.", "Look up {q} online."))
+    return user.format(q=query), kind, {"query": query}
+
+
+def _tools(rng: random.Random, needed: str) -> list[dict[str, Any]]:
+    others = [t for t in TOOLS if t["function"]["name"] != needed]
+    chosen = [next(t for t in TOOLS if t["function"]["name"] == needed)] + rng.sample(
+        others, rng.randint(0, len(others))
+    )
+    rng.shuffle(chosen)
+    return chosen
+
+
+def _tool_call(rng: random.Random) -> Example:
+    user, name, args = _tool_request(rng)
+    tools = _tools(rng, name)
+    prompt = render_gemma4(_messages(rng, user), tools=tools)
+    target = f"<|tool_call>{format_call(name, args)}<tool_call|>{TOOL_RESPONSE}"
+    return Example("tool_call", prompt, target, prompt, {"name": name, "arguments": args})
+
+
+def _tool_answer(rng: random.Random) -> Example:
+    while True:
+        user, name, args = _tool_request(rng)
+        if name != "search_web":
+            break
+    if name == "get_weather":
+        cond, temp = rng.choice(CONDITIONS), rng.randint(-5, 35)
+        result: Any = {"conditions": cond, "temperature": temp}
+        answer = f"It is {cond} and {temp} degrees in {args['city']}."
+    elif name == "convert_currency":
+        value = rng.randint(1, 1999)
+        result = {"amount": value, "currency": args["to_currency"]}
+        answer = f"{args['amount']} {args['from_currency']} is {value} {args['to_currency']}."
+    else:
+        result = {"status": "started"}
+        answer = f"Your {args['minutes']} minute timer for {args['label']} is running."
+    tools = _tools(rng, name)
+    msgs = _messages(rng, user) + [
+        {
+            "role": "assistant",
+            "tool_calls": [{"type": "function", "function": {"name": name, "arguments": args}}],
+        },
+        {"role": "tool", "name": name, "content": result},
+    ]
+    prompt = render_gemma4(msgs, tools=tools)
+    return Example("tool_answer", prompt, answer + TURN_END, prompt, {"name": name})
+
+
+def _think(rng: random.Random) -> Example:
+    a, b = rng.sample(range(0, 100), 2)
+    m = max(a, b)
+    q = rng.choice(("Which number is larger, {a} or {b}?", "Which is bigger: {a} or {b}?"))
+    prompt = render_gemma4(_messages(rng, q.format(a=a, b=b)), enable_thinking=True)
+    target = f"<|channel>thought\nCompare {a} and {b}: {m} is larger.\n<channel|>{m} is larger.{TURN_END}"
+    return Example("think", prompt, target, f"think:{a},{b}:{q}", {"result": m})
+
+
+def _yesno(rng: random.Random) -> Example:
+    kind = rng.randrange(3)
+    if kind == 0:
+        n = rng.randint(0, 999)
+        q, yes = f"Is {n} an even number? Answer yes or no.", n % 2 == 0
+    elif kind == 1:
+        a, b = rng.sample(range(0, 100), 2)
+        q, yes = f"Is {a} greater than {b}? Answer yes or no.", a > b
+    else:
+        cat = rng.choice(("an animal", "a fruit", "a city"))
+        pool = {"an animal": ANIMALS, "a fruit": FRUITS, "a city": CITIES}
+        if rng.random() < 0.5:
+            word, yes = rng.choice(pool[cat]), True
+        else:
+            other = [w for c, p in pool.items() if c != cat for w in p] + OBJECTS
+            word, yes = rng.choice(other), False
+        q = f"Is {word} {cat}? Answer yes or no."
+    prompt = render_gemma4(_messages(rng, q))
+    return Example("yesno", prompt, ("Yes" if yes else "No") + TURN_END, f"yesno:{q}", {"yes": yes})
+
+
+MAKERS = {
+    "arith": _arith,
+    "retrieval": _retrieval,
+    "long": _long,
+    "tool_call": _tool_call,
+    "tool_answer": _tool_answer,
+    "think": _think,
+    "yesno": _yesno,
+}
+
+
+def make_example(task: str, rng: random.Random, split: str = "train") -> Example:
+    """One example of `task` from the given split ("train" or "heldout")."""
+    want_heldout = split == "heldout"
+    for _ in range(10_000):
+        ex = MAKERS[task](rng)
+        if is_heldout(ex.identity) == want_heldout:
+            return ex
+    raise RuntimeError(f"could not draw a {split} example of {task}")
+
+
+def generate(n: int, seed: int, split: str = "train", tasks: dict[str, float] | None = None) -> list[Example]:
+    """n examples, tasks drawn by weight; deterministic for (n, seed, split)."""
+    weights = tasks or TASK_WEIGHTS
+    rng = random.Random(f"{seed}:{split}")
+    names = list(weights)
+    w = [weights[t] for t in names]
+    return [make_example(rng.choices(names, w)[0], rng, split) for _ in range(n)]
+
+
+def heldout_set(n_per_task: int, seed: int = 1234, tasks: tuple[str, ...] = TASKS) -> list[Example]:
+    """The evaluation prompts: n_per_task held-out examples of each task."""
+    out = []
+    for task in tasks:
+        rng = random.Random(f"{seed}:heldout:{task}")
+        out += [make_example(task, rng, "heldout") for _ in range(n_per_task)]
+    return out
+
+
+def tokenizer_corpus(n: int = 4000, seed: int = 7) -> list[str]:
+    """Texts the demo tokenizer's merges are learned from: rendered examples plus the word lists."""
+    texts = [ex.prompt + ex.target for ex in generate(n, seed)]
+    texts.append(" ".join(ANIMALS + FRUITS + OBJECTS + CITIES + list(CONDITIONS) + list(CURRENCIES)))
+    texts.append(json.dumps(TOOLS))
+    return texts

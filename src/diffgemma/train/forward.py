@@ -1,0 +1,160 @@
+"""A batched, differentiable forward for training, numerically the same as `prefill` + `denoise`.
+
+`DiffusionGemma.prefill` / `denoise` are batch-1 inference paths under no_grad. Training runs the encoder
+(causal, over the prompt) and the decoder (bidirectional, over the canvas) as ONE joint pass over
+`[prompt slots | canvas slots]` per row, layer by layer, with the same parameters and the same ops
+(`kernels/torch_ref.py`):
+
+* prompts are LEFT-padded to a common length P; `prompt_mask` marks real tokens; each row's positions count its
+  real tokens from 0, and its canvas sits at positions L..L+C-1 (L = the row's prompt length), as after a
+  prefill of that prompt;
+* prompt rows attend causally to real prompt keys (sliding layers: key position > query position - window),
+  exactly what `_encode` computes, and never to the canvas, so their K/V equal the KV cache's;
+* canvas rows attend to the prompt keys a cache read returns (full layers: all; sliding layers: the last
+  window - 1 positions) and to the whole canvas, bidirectionally, as `_decode_layers` does;
+* prompt rows take the encoder's input (scaled embedding, no norm) and `encoder_layer_scalar`; canvas rows
+  take the decoder's input (`_decoder_input`, with or without self-conditioning) and `layer_scalar`;
+* pad slots attend only to themselves (no NaN rows) and nothing attends to them.
+
+The MoE runs "dense" by default: every expert on every row, weighted by the router's (renormalised, scaled)
+top-k weights and zero elsewhere - the same sum as `ops.moe_experts` without its per-expert host syncs, which
+suits a GPU. `moe="sparse"` uses `ops.moe_experts` itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from diffgemma.kernels import torch_ref as ops
+from diffgemma.model.model import DiffusionGemma, Layer
+
+
+def positions_and_masks(
+    model: DiffusionGemma, prompt_mask: torch.Tensor, canvas_len: int
+) -> tuple[torch.Tensor, dict[bool, torch.Tensor]]:
+    """Positions [B, P+C] and the boolean attention masks [B, 1, P+C, P+C] (True = attend) by `sliding`."""
+    b, p = prompt_mask.shape
+    c = canvas_len
+    dev = prompt_mask.device
+    pm = prompt_mask.bool()
+    lengths = pm.sum(1)  # [B]
+    ppos = (pm.cumsum(1) - 1).clamp_min(0)
+    cpos = lengths[:, None] + torch.arange(c, device=dev)[None]
+    pos = torch.cat([ppos, cpos], 1)  # [B, T]
+
+    t = p + c
+    valid = torch.cat([pm, torch.ones(b, c, dtype=torch.bool, device=dev)], 1)  # key slot is real
+    is_prompt = torch.zeros(t, dtype=torch.bool, device=dev)
+    is_prompt[:p] = True
+    qpos, kpos = pos[:, :, None], pos[:, None, :]
+    q_prompt, k_prompt = is_prompt[None, :, None], is_prompt[None, None, :]
+    window = model.cfg.sliding_window
+    # prompt -> prompt: causal; canvas -> prompt: everything cached; canvas -> canvas: all; prompt -> canvas: no.
+    base = torch.where(q_prompt, k_prompt & (kpos <= qpos), torch.ones((), dtype=torch.bool, device=dev))
+    base = base & valid[:, None, :]
+    # Sliding window: a prompt query sees keys > pos - window; the canvas sees cached keys > L - window.
+    ref = torch.where(q_prompt, qpos, lengths[:, None, None])
+    in_window = ~k_prompt | (kpos > ref - window)
+    eye = torch.eye(t, dtype=torch.bool, device=dev)[None]
+    pad_q = ~valid[:, :, None]
+    masks = {}
+    for sliding in (False, True):
+        m = base & in_window if sliding else base
+        m = torch.where(pad_q, eye, m)
+        masks[sliding] = m[:, None]
+    return pos, masks
+
+
+def _qkv(model: DiffusionGemma, layer: Layer, x: torch.Tensor, pos: torch.Tensor):
+    """x [B, T, hidden] -> Q [B, H, T, d], K/V [B, Hkv, T, d] (as `DiffusionGemma._qkv`, batched)."""
+    eps = model.cfg.rms_norm_eps
+    b, t, _ = x.shape
+    hd = layer.head_dim
+    q = F.linear(x, layer.q_proj.to(x.dtype)).view(b * t, layer.n_heads, hd)
+    k_raw = F.linear(x, layer.k_proj.to(x.dtype)).view(b * t, layer.n_kv, hd)
+    v = F.linear(x, layer.v_proj.to(x.dtype)).view(b * t, layer.n_kv, hd) if layer.sliding else k_raw
+    inv = model.inv_freq[model.cfg.layer_types[layer.idx]].to(x.device)
+    cos, sin = ops.rope_cos_sin(inv, pos.reshape(-1), q.dtype)
+    q = ops.apply_rope(ops.rms_norm(q, layer.q_norm, eps), cos, sin)
+    k = ops.apply_rope(ops.rms_norm(k_raw, layer.k_norm, eps), cos, sin)
+    v = ops.rms_norm(v, None, eps)
+
+    def heads(z: torch.Tensor) -> torch.Tensor:
+        return z.view(b, t, z.shape[1], hd).transpose(1, 2)
+
+    return heads(q), heads(k), heads(v)
+
+
+def moe_dense(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """Same sum as `ops.moe_experts`, computed for every expert: x [N, H] -> [N, H]."""
+    n_exp = gate_up.shape[0]
+    w = torch.zeros(x.shape[0], n_exp, dtype=weights.dtype, device=x.device).scatter(1, ids, weights)
+    gu = torch.einsum("nh,efh->nef", x, gate_up)
+    gate, up = gu.chunk(2, dim=-1)
+    act = ops.gelu_tanh(gate) * up  # [N, E, I]
+    act = act * w.to(act.dtype)[:, :, None]
+    return torch.einsum("nei,ehi->nh", act, down).to(x.dtype)
+
+
+def _ffn(model: DiffusionGemma, layer: Layer, h: torch.Tensor, moe: str) -> torch.Tensor:
+    """As `DiffusionGemma._ffn` on h [N, hidden]."""
+    eps = model.cfg.rms_norm_eps
+    dt = h.dtype
+    x = ops.rms_norm(h, layer.pre_feedforward_layernorm, eps)
+    dense = F.linear(
+        ops.gelu_tanh(F.linear(x, layer.mlp_gate.to(dt))) * F.linear(x, layer.mlp_up.to(dt)),
+        layer.mlp_down.to(dt),
+    )
+    dense = ops.rms_norm(dense, layer.post_feedforward_layernorm_1, eps)
+    weights, ids = ops.route(
+        h,
+        layer.router_proj.to(dt),
+        layer.router_scale.to(dt),
+        layer.per_expert_scale,
+        model.cfg.top_k_experts,
+        eps,
+    )
+    x2 = ops.rms_norm(h, layer.pre_feedforward_layernorm_2, eps)
+    experts = moe_dense if moe == "dense" else ops.moe_experts
+    out = experts(x2, weights, ids, layer.experts_gate_up.to(dt), layer.experts_down.to(dt))
+    out = ops.rms_norm(out, layer.post_feedforward_layernorm_2, eps)
+    return ops.rms_norm(dense + out, layer.post_feedforward_layernorm, eps)
+
+
+def train_forward(
+    model: DiffusionGemma,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    canvas_ids: torch.Tensor,
+    sc_probs: torch.Tensor | None = None,
+    sc_seed: bool = False,
+    moe: str = "dense",
+) -> torch.Tensor:
+    """Softcapped logits [B, C, V] for canvases [B, C] after left-padded prompts [B, P] (mask [B, P]).
+
+    Self-conditioning as `model.denoise`: `sc_probs` [B, C, V] (normalised), or `sc_seed` (the canvas's own
+    embedding), or neither. Differentiable w.r.t. every parameter that has requires_grad.
+    """
+    b, p = prompt_ids.shape
+    c = canvas_ids.shape[1]
+    eps = model.cfg.rms_norm_eps
+    pos, masks = positions_and_masks(model, prompt_mask, c)
+    enc_in = model._embed_tokens(prompt_ids)
+    dec_in = model._decoder_input(canvas_ids, sc_probs, sc_seed)
+    h = torch.cat([enc_in.to(dec_in.dtype), dec_in], 1)  # [B, T, hidden]
+    t = p + c
+    is_prompt = (torch.arange(t, device=h.device) < p)[None, :, None]
+    for layer in model.layers:
+        x = ops.rms_norm(h, layer.input_layernorm, eps)
+        q, k, v = _qkv(model, layer, x, pos)
+        attn = ops.attention(q, k, v, masks[layer.sliding])  # [B, H, T, d]
+        attn = attn.transpose(1, 2).reshape(b, t, -1)
+        attn = F.linear(attn, layer.o_proj.to(h.dtype))
+        h = h + ops.rms_norm(attn, layer.post_attention_layernorm, eps)
+        h = h + _ffn(model, layer, h.reshape(b * t, -1), moe).view(b, t, -1)
+        scalar = torch.where(is_prompt, layer.encoder_layer_scalar, layer.layer_scalar)
+        h = h * scalar.to(h.dtype)
+    return model._logits(h[:, p:])

@@ -1,0 +1,470 @@
+"""Block-diffusion training of a DiffusionGemma-architecture model on the synthetic instruction corpus.
+
+Objective (one example = one canvas):
+  * the reply target T (ending on its stop token) is cut at an offset s: the model sees the prompt plus T[:s]
+    through the causal encoder (the KV cache at inference) and must write the canvas T[s : s + C]. s = 0 most of
+    the time; for replies longer than one canvas s is also a multiple of C (the next block after committed
+    blocks) or, rarely, any offset (the engine's confidence trim can commit a shorter block);
+  * the canvas is corrupted by replacing each token with a uniformly random id (over the config's vocab, as
+    the engine's noise) at a rate t ~ U(0, 1) per example (t = 1 for 10% of examples: the first step's
+    all-noise canvas);
+  * cross-entropy against the clean canvas at every position (uniform noise is not marked, so the model must
+    also confirm the tokens that survived);
+  * self-conditioning on about half the batches: a no-grad first pass on the same noisy canvas gives logits,
+    their tempered softmax (T ~ U(0.4, 1.0), the engine's temperature range) is the SC signal of the trained
+    pass. Passes without an SC signal use the engine's first-step seed (the canvas's own embedding) 70% of the
+    time and no SC otherwise (the reference sampler's first step).
+
+Canvas rows after the stop token are trained to <pad> (id 0). The engine stops at the first stop token of a
+block, so those rows are never returned; but the sampler's early stop needs LOW entropy on every row
+(`confidence_threshold` on the mean entropy, the plateau rule) and the commit trim looks at row confidence, so a
+fixed, easily predicted filler lets a finished block stop after a few steps instead of running to
+`max_denoising_steps`. It is also what the engine's pad gate and empty-reply retry expect the filler to be. The
+pad rows are down-weighted (`pad_weight`) so that the few content tokens dominate the loss.
+
+AdamW (betas 0.9/0.95, weight decay on matrices only) with linear warm-up and cosine decay to 10% of the peak,
+gradient clipping at 1.0, bf16 autocast on CUDA (fp32 master weights). Checkpoints are written in the real
+on-disk format (bf16) and training resumes from `train_state/`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+
+from diffgemma.train import checkpoint as ckpt
+from diffgemma.train import data
+from diffgemma.train.forward import train_forward
+from diffgemma.train.tokenizer import check_special_ids, demo_tokenizer
+
+PAD = 0
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The bundled demo model: 6 layers (sliding, sliding, full) x 2, window 128, 8 experts top-2.
+    "demo": dict(hidden_size=256, intermediate_size=384, moe_intermediate_size=128, num_experts=8),
+    # A very small model for CPU smoke tests.
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=4,
+        head_dim=16,
+        global_head_dim=32,
+        sliding_window=32,
+        layer_types=("sliding_attention", "full_attention"),
+    ),
+}
+
+
+@dataclass
+class TrainConfig:
+    out: str
+    steps: int = 3000
+    batch: int = 128
+    lr: float = 1.5e-3
+    warmup: int = 150
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.05
+    grad_clip: float = 1.0
+    seed: int = 0
+    device: str = "auto"
+    preset: str = "demo"
+    canvas_length: int = 32
+    max_denoising_steps: int = 16
+    vocab_size: int = 4096  # tokenizer cap; the config's vocab is the tokenizer's size rounded up to 64
+    sc_prob: float = 0.5
+    pad_weight: float = 0.25
+    microbatches: int = 2  # the batch is split by prompt length to cut padding
+    time_limit: float = 0.0  # seconds of training before a clean stop (0 = none)
+    log_every: int = 25
+    ckpt_every: int = 500
+    max_shard_mb: float = 0.0  # shard model.safetensors above this size (0 = one file)
+    resume: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def lr_at(cfg: TrainConfig, step: int, total: int | None = None, progress: float | None = None) -> float:
+    total = cfg.steps if total is None else total
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = (step - cfg.warmup) / max(1, total - cfg.warmup) if progress is None else progress
+    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def model_config(cfg: TrainConfig, vocab: int) -> dict[str, Any]:
+    tc = ckpt.text_config(-(-vocab // 64) * 64, **PRESETS[cfg.preset])
+    return ckpt.full_config(tc, cfg.canvas_length)
+
+
+# -- batches --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    prompt: torch.Tensor  # [B, P] left-padded
+    mask: torch.Tensor  # [B, P]
+    target: torch.Tensor  # [B, C] clean canvas
+    weight: torch.Tensor  # [B, C] loss weights
+    content: torch.Tensor  # [B, C] True up to and including the stop token
+
+
+def split_point(rng: random.Random, n_target: int, canvas: int) -> int:
+    r = rng.random()
+    if r < 0.6 or n_target <= 1:
+        return 0
+    blocks = [k * canvas for k in range(1, -(-n_target // canvas))]
+    if r < 0.85 and blocks:
+        return rng.choice(blocks)
+    return rng.randrange(1, n_target)
+
+
+def make_batch(
+    tok: Tokenizer, examples: list[data.Example], rng: random.Random, canvas: int, pad_weight: float
+) -> list[tuple[list[int], list[int], list[float], list[bool]]]:
+    prompts = tok.encode_batch([e.prompt for e in examples], add_special_tokens=False)
+    targets = tok.encode_batch([e.target for e in examples], add_special_tokens=False)
+    rows = []
+    for p, t in zip(prompts, targets, strict=True):
+        t_ids = t.ids
+        s = split_point(rng, len(t_ids), canvas)
+        ctx = p.ids + t_ids[:s]
+        part = t_ids[s : s + canvas]
+        n = len(part)
+        rows.append(
+            (
+                ctx,
+                part + [PAD] * (canvas - n),
+                [1.0] * n + [pad_weight] * (canvas - n),
+                [True] * n + [False] * (canvas - n),
+            )
+        )
+    return rows
+
+
+def collate(rows, device: str) -> Batch:
+    p = max(len(r[0]) for r in rows)
+    prompt = torch.zeros(len(rows), p, dtype=torch.long)
+    mask = torch.zeros(len(rows), p, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        prompt[i, p - len(r[0]) :] = torch.tensor(r[0])
+        mask[i, p - len(r[0]) :] = True
+    target = torch.tensor([r[1] for r in rows])
+    weight = torch.tensor([r[2] for r in rows])
+    content = torch.tensor([r[3] for r in rows])
+    nb = device != "cpu"
+    return Batch(
+        prompt.to(device, non_blocking=nb),
+        mask.to(device, non_blocking=nb),
+        target.to(device, non_blocking=nb),
+        weight.to(device, non_blocking=nb),
+        content.to(device, non_blocking=nb),
+    )
+
+
+def batches_for_step(cfg: TrainConfig, tok: Tokenizer, step: int) -> list[list]:
+    """The step's examples, split into microbatches by context length (deterministic in (seed, step))."""
+    rng = random.Random(f"{cfg.seed}:batch:{step}")
+    examples = data.generate(cfg.batch, seed=cfg.seed * 1_000_003 + step)
+    rows = make_batch(tok, examples, rng, cfg.canvas_length, cfg.pad_weight)
+    rows.sort(key=lambda r: len(r[0]))
+    k = max(1, min(cfg.microbatches, len(rows)))
+    size = -(-len(rows) // k)
+    return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+
+class Prefetcher:
+    """Builds the next steps' batches on a background thread (tokenizers releases the GIL)."""
+
+    def __init__(self, cfg: TrainConfig, tok: Tokenizer, start: int, end: int, depth: int = 8):
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+
+        def work() -> None:
+            for step in range(start, end):
+                if self.stop.is_set():
+                    return
+                self.q.put(batches_for_step(cfg, tok, step))
+
+        self.thread = threading.Thread(target=work, daemon=True)
+        self.thread.start()
+
+    def get(self):
+        return self.q.get()
+
+    def close(self) -> None:
+        self.stop.set()
+        while not self.q.empty():
+            self.q.get_nowait()
+
+
+# -- the step ---------------------------------------------------------------------------------------------
+
+
+def corrupt(target: torch.Tensor, vocab: int, gen: torch.Generator | None = None) -> torch.Tensor:
+    b, c = target.shape
+    dev = target.device
+    rate = torch.rand(b, 1, device=dev, generator=gen)
+    rate = torch.where(torch.rand(b, 1, device=dev, generator=gen) < 0.1, torch.ones_like(rate), rate)
+    noise = torch.randint(0, vocab, (b, c), device=dev, generator=gen)
+    hit = torch.rand(b, c, device=dev, generator=gen) < rate
+    return torch.where(hit, noise, target)
+
+
+def loss_on(
+    model, batch: Batch, rng: random.Random, sc: bool, autocast
+) -> tuple[torch.Tensor, dict[str, float]]:
+    vocab = model.cfg.vocab_size
+    noisy = corrupt(batch.target, vocab)
+    seed_first = rng.random() < 0.7
+    sc_probs = None
+    with autocast():
+        if sc:
+            with torch.no_grad():
+                first = train_forward(model, batch.prompt, batch.mask, noisy, sc_seed=seed_first)
+                temp = rng.uniform(0.4, 1.0)
+                sc_probs = torch.softmax(first.float() / temp, dim=-1)
+        logits = train_forward(
+            model, batch.prompt, batch.mask, noisy, sc_probs=sc_probs, sc_seed=seed_first and not sc
+        )
+    ce = F.cross_entropy(logits.float().flatten(0, 1), batch.target.flatten(), reduction="none").view_as(
+        batch.weight
+    )
+    loss = (ce * batch.weight).sum() / batch.weight.sum()
+    with torch.no_grad():
+        content = batch.content.float()
+        correct = (logits.argmax(-1) == batch.target).float()
+        stats = {
+            "content_loss": float((ce * content).sum() / content.sum()),
+            "content_acc": float((correct * content).sum() / content.sum()),
+        }
+    return loss, stats
+
+
+def param_groups(model, weight_decay: float):
+    decay, no_decay = [], []
+    for _name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def write_readme(out: Path, cfg: TrainConfig, model_cfg: dict[str, Any], info: dict[str, Any]) -> None:
+    tc = model_cfg["text_config"]
+    n_params = info.get("parameters", 0)
+    lines = [
+        "# diffgemma demo model",
+        "",
+        "A small DiffusionGemma-architecture model (Gemma 4 MoE, block diffusion) trained from scratch by",
+        "`diffgemma train` on the synthetic instruction corpus of `diffgemma.train.data` (arithmetic, key-value",
+        "retrieval beyond the sliding window, counting answers longer than one canvas, tool calls, answers after",
+        "tool results, short thought-channel answers, yes/no questions), rendered in the Gemma 4 chat format.",
+        "It knows nothing else: it exists so that the engine, CLI and server have a real model to run on CPU.",
+        "",
+        "## Shape",
+        "",
+        f"- parameters: {n_params:,} (stored as bf16)",
+        f"- vocab {tc['vocab_size']} (byte-level BPE, Gemma 4 special tokens at their real ids, digits split)",
+        f"- hidden {tc['hidden_size']}, {tc['num_hidden_layers']} layers {tc['layer_types']}",
+        f"- {tc['num_attention_heads']} heads; sliding head_dim {tc['head_dim']} x {tc['num_key_value_heads']} kv"
+        f" heads, window {tc['sliding_window']}; full head_dim {tc['global_head_dim']} x"
+        f" {tc['num_global_key_value_heads']} kv head (k = v)",
+        f"- dense MLP {tc['intermediate_size']} + {tc['num_experts']} experts top-{tc['top_k_experts']}"
+        f" ({tc['moe_intermediate_size']} each)",
+        f"- canvas_length {model_cfg['canvas_length']}, max_denoising_steps {cfg.max_denoising_steps}",
+        "",
+        "## Training",
+        "",
+        "```json",
+        json.dumps({"train_config": cfg.to_json(), "result": info}, indent=2),
+        "```",
+        "",
+    ]
+    (out / "README.md").write_text("\n".join(lines))
+
+
+def plot_losses(out: Path, log: list[dict[str, Any]]) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    steps = [r["step"] for r in log]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["loss"] for r in log], label="weighted loss")
+    ax.plot(steps, [r["content_loss"] for r in log], label="loss on reply tokens")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats)")
+    ax.set_title("diffgemma demo model: block-diffusion training")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = out / "loss_curve.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train (or resume) into cfg.out; returns a summary dict."""
+    t_start = time.time()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+
+    tok_path = out / "tokenizer.json"
+    if cfg.resume and tok_path.exists():
+        tok = Tokenizer.from_file(str(tok_path))
+        check_special_ids(tok)
+    else:
+        tok = demo_tokenizer(data.tokenizer_corpus(), vocab_size=cfg.vocab_size)
+    model_cfg = model_config(cfg, tok.get_vocab_size())
+    gen_cfg = ckpt.generation_config(cfg.max_denoising_steps)
+    model = ckpt.build_model(model_cfg, cfg.seed, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=device.startswith("cuda"),
+    )
+    start, log = 0, []
+    if cfg.resume:
+        info = ckpt.load_train_state(out, model, opt)
+        if info is not None:
+            start = int(info["step"])
+            log = info.get("log", [])
+            print(f"resumed from step {start}", flush=True)
+    (out / "train_config.json").write_text(
+        json.dumps(
+            {"train_config": cfg.to_json(), "model_config": model_cfg, "parameters": n_params}, indent=2
+        )
+    )
+    print(f"model: {n_params:,} parameters, vocab {model.cfg.vocab_size}, device {device}", flush=True)
+
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+        def autocast():
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+    else:
+        import contextlib
+
+        autocast = contextlib.nullcontext
+
+    def save(step: int, final: bool) -> None:
+        shard = int(cfg.max_shard_mb * 2**20) if cfg.max_shard_mb > 0 else None
+        ckpt.write_checkpoint(model, out, model_cfg, gen_cfg, tok, max_shard_bytes=shard)
+        info = {"step": step, "log": log, "parameters": n_params}
+        ckpt.save_train_state(out, model, opt, info)
+        if final:
+            last = log[-1] if log else {}
+            write_readme(
+                out,
+                cfg,
+                model_cfg,
+                {
+                    "parameters": n_params,
+                    "steps": step,
+                    "final_loss": last.get("loss"),
+                    "final_content_loss": last.get("content_loss"),
+                    "train_seconds": round(time.time() - t_start, 1),
+                    "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
+                },
+            )
+            with open(out / "loss_log.csv", "w") as f:
+                f.write("step,loss,content_loss,content_acc,lr,seconds\n")
+                for r in log:
+                    f.write(
+                        f"{r['step']},{r['loss']:.5f},{r['content_loss']:.5f},{r['content_acc']:.4f},"
+                        f"{r['lr']:.6g},{r['seconds']:.1f}\n"
+                    )
+            plot_losses(out, log)
+
+    prefetch = Prefetcher(cfg, tok, start, cfg.steps)
+    rng = random.Random(f"{cfg.seed}:train:{start}")
+    acc: dict[str, float] = {"loss": 0.0, "content_loss": 0.0, "content_acc": 0.0, "n": 0}
+    step = start
+    total = cfg.steps
+    t_loop = time.time()
+    try:
+        model.train()
+        while step < total:
+            if cfg.time_limit and time.time() - t_loop > cfg.time_limit:
+                print(f"time limit reached at step {step}", flush=True)
+                break
+            progress = None
+            if cfg.time_limit:  # the cosine follows elapsed time too, so a time-limited run fully decays
+                progress = max(step / total, (time.time() - t_loop) / cfg.time_limit)
+            lr = lr_at(cfg, step, total, progress)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            micro = prefetch.get()
+            sc = rng.random() < cfg.sc_prob
+            n_rows = sum(len(m) for m in micro)
+            opt.zero_grad(set_to_none=True)
+            for rows in micro:
+                batch = collate(rows, device)
+                loss, stats = loss_on(model, batch, rng, sc, autocast)
+                (loss * len(rows) / n_rows).backward()
+                acc["loss"] += float(loss.detach()) * len(rows) / n_rows
+                acc["content_loss"] += stats["content_loss"] * len(rows) / n_rows
+                acc["content_acc"] += stats["content_acc"] * len(rows) / n_rows
+            acc["n"] += 1
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            step += 1
+            if step % cfg.log_every == 0 or step == total:
+                n = acc.pop("n")
+                row = {k: v / n for k, v in acc.items()}
+                row.update(step=step, lr=lr, seconds=time.time() - t_start)
+                log.append(row)
+                print(
+                    f"step {step:5d}  loss {row['loss']:.4f}  reply-loss {row['content_loss']:.4f}  "
+                    f"reply-acc {row['content_acc']:.3f}  lr {lr:.2e}  {row['seconds']:.0f}s",
+                    flush=True,
+                )
+                acc = {"loss": 0.0, "content_loss": 0.0, "content_acc": 0.0, "n": 0}
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0 and step < total:
+                save(step, final=False)
+    finally:
+        prefetch.close()
+    model.eval()
+    save(step, final=True)
+    last = log[-1] if log else {}
+    return {
+        "steps": step,
+        "final_loss": last.get("loss"),
+        "final_content_loss": last.get("content_loss"),
+        "seconds": time.time() - t_start,
+        "parameters": n_params,
+    }

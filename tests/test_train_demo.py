@@ -1,0 +1,59 @@
+"""The bundled demo model runs on CPU through the Python API (skipped when the asset is not bundled)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+import diffgemma
+from diffgemma.chat.template import render_gemma4
+
+DEMO = Path(diffgemma.__file__).parent / "assets" / "demo"
+MISSING = f"the demo model is not bundled ({DEMO}/model.safetensors is missing)"
+
+
+@pytest.fixture(scope="module")
+def demo():
+    if not (DEMO / "model.safetensors").exists():
+        pytest.skip(MISSING)
+    return diffgemma.load(DEMO, device="cpu"), Tokenizer.from_file(str(DEMO / "tokenizer.json"))
+
+
+def _ask(engine, tok, question: str) -> tuple[str, object]:
+    prompt = render_gemma4([{"role": "user", "content": question}])
+    ids = tok.encode(prompt, add_special_tokens=False).ids
+    out = engine.generate(ids, max_new_tokens=64, seed=0)
+    return tok.decode(out.token_ids, skip_special_tokens=False), out
+
+
+def test_demo_replies_in_the_arithmetic_format_within_seconds(demo):
+    engine, tok = demo
+    t0 = time.time()
+    text, out = _ask(engine, tok, "What is 17 + 25?")
+    assert time.time() - t0 < 10
+    assert text.startswith("17 + 25 = "), text
+    assert out.finish_reason == "stop" and out.stop_token == 106  # ended on <turn|>
+
+
+@pytest.mark.xfail(
+    reason="the bundled demo had 1365 training steps (7 min on one H200, the device budget); its held-out "
+    "arithmetic accuracy is 5-10% (docs/train/eval_*.json) and it answers 17 + 25 = 74. Retrain longer.",
+    strict=True,
+)
+def test_demo_answers_arithmetic(demo):
+    engine, tok = demo
+    text, _ = _ask(engine, tok, "What is 17 + 25?")
+    assert "42" in text, text
+
+
+def test_demo_shape_and_size():
+    if not (DEMO / "model.safetensors").exists():
+        pytest.skip(MISSING)
+    size = sum(f.stat().st_size for f in DEMO.iterdir() if f.is_file())
+    assert size <= 25 * 2**20
+    cfg = diffgemma.ModelConfig.from_dir(DEMO)
+    assert cfg.sliding_window < 256 and any(not cfg.is_sliding(i) for i in range(cfg.num_layers))
+    assert diffgemma.SamplerConfig.from_dir(DEMO).max_denoising_steps <= 16
