@@ -15,6 +15,7 @@ from torch import nn
 
 from diffgemma.config import ModelConfig
 from diffgemma.kernels import cuda as fast_ops
+from diffgemma.kernels import fused as fused_ops
 from diffgemma.kernels import torch_ref as ops
 from diffgemma.model.kv_cache import KVCache
 
@@ -81,6 +82,10 @@ class DiffusionGemma(nn.Module):
         # weights (on for cuda); True/False forces it (True on cpu runs the fast ops without graphs).
         self.fast: bool | None = None
         self.use_graphs = True
+        # Fused denoise layers (kernels/fused.py, torch.compile'd regions) on the fast path: None = on for cuda,
+        # True/False forces it (True on cpu compiles for the cpu, which is how it is smoke-tested).
+        self.fuse: bool | None = None
+        self.fused_regions = fused_ops.make_regions()
         self._graphs: dict = {}
         self._graph_cache_key: tuple | None = None
 
@@ -99,6 +104,12 @@ class DiffusionGemma(nn.Module):
         if self.fast is None:  # grouped_mm on CUDA is a bf16 kernel
             return self.device.type == "cuda" and self.dtype == torch.bfloat16
         return bool(self.fast)
+
+    @property
+    def is_fused(self) -> bool:
+        if self.fuse is None:
+            return self.is_fast and self.device.type == "cuda"
+        return bool(self.fuse) and self.is_fast
 
     def new_cache(self, max_tokens: int = 4096, ring_size: int | None = None) -> KVCache:
         return KVCache(self.cfg, max_tokens, self.device, self.dtype, ring_size=ring_size)
@@ -158,7 +169,7 @@ class DiffusionGemma(nn.Module):
         if key != self._graph_cache_key:
             self._graphs.clear()
             self._graph_cache_key = key
-        mode = (canvas.shape[0], sc_probs is not None, bool(sc_seed) and sc_probs is None)
+        mode = (canvas.shape[0], sc_probs is not None, bool(sc_seed) and sc_probs is None, self.is_fused)
         step = self._graphs.get(mode)
         if step is None:
             step = fast_ops.GraphStep(
@@ -303,20 +314,68 @@ class DiffusionGemma(nn.Module):
     def _decode_layers(self, h: torch.Tensor, kv: KVCache) -> torch.Tensor:
         c = h.shape[0]
         positions = torch.arange(kv.length, kv.length + c, device=self.device)
-        fast = self.is_fast
         for layer in self.layers:
-
-            def attend(x: torch.Tensor, layer: Layer = layer) -> torch.Tensor:
-                q, k, v = self._qkv(layer, x, positions)
-                if fast:
-                    keys, vals = kv.read_with(layer.idx, k, v)
-                    out = fast_ops.attention_nomask(q, keys, vals)
-                    return out[0].transpose(0, 1).reshape(c, -1)
-                past_k, past_v, _ = kv.read(layer.idx)
-                keys = torch.cat([past_k.to(k.dtype), k], dim=2)
-                vals = torch.cat([past_v.to(v.dtype), v], dim=2)
-                out = ops.attention(q, keys, vals, None)
-                return out[0].transpose(0, 1).reshape(c, -1)
-
-            h = self._layer(layer, h, attend, layer.layer_scalar)
+            h = self._decode_layer(layer, h, kv, positions)
         return h
+
+    def _decode_layer(
+        self, layer: Layer, h: torch.Tensor, kv: KVCache, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """One decoder layer on the canvas stream h [C, hidden] at `positions`, attending to the cache."""
+        if self.is_fused:
+            return self._decode_layer_fused(layer, h, kv, positions)
+        c = h.shape[0]
+        fast = self.is_fast
+
+        def attend(x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self._qkv(layer, x, positions)
+            if fast:
+                keys, vals = kv.read_with(layer.idx, k, v)
+                out = fast_ops.attention_nomask(q, keys, vals)
+                return out[0].transpose(0, 1).reshape(c, -1)
+            past_k, past_v, _ = kv.read(layer.idx)
+            keys = torch.cat([past_k.to(k.dtype), k], dim=2)
+            vals = torch.cat([past_v.to(v.dtype), v], dim=2)
+            out = ops.attention(q, keys, vals, None)
+            return out[0].transpose(0, 1).reshape(c, -1)
+
+        return self._layer(layer, h, attend, layer.layer_scalar)
+
+    def _decode_layer_fused(
+        self, layer: Layer, h: torch.Tensor, kv: KVCache, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """_decode_layer's math as compiled regions (kernels/fused.py) around the library GEMMs and SDPA."""
+        r, eps, dt = self.fused_regions, self.cfg.rms_norm_eps, h.dtype
+        c, hd = h.shape[0], layer.head_dim
+        x = r["norm"](h, layer.input_layernorm, eps)
+        q = F.linear(x, layer.q_proj.to(dt)).view(c, layer.n_heads, hd)
+        k_raw = F.linear(x, layer.k_proj.to(dt)).view(c, layer.n_kv, hd)
+        v = F.linear(x, layer.v_proj.to(dt)).view(c, layer.n_kv, hd) if layer.sliding else None
+        inv_freq = self.inv_freq[self.cfg.layer_types[layer.idx]]
+        if inv_freq.device != positions.device:
+            inv_freq = self.inv_freq[self.cfg.layer_types[layer.idx]] = inv_freq.to(positions.device)
+        q, k, v = r["qkv_post"](q, k_raw, v, layer.q_norm, layer.k_norm, inv_freq, positions, eps)
+        keys, vals = kv.read_with(layer.idx, k, v)
+        out = fast_ops.attention_nomask(q, keys, vals)
+        attn = F.linear(out[0].transpose(0, 1).reshape(c, -1), layer.o_proj.to(dt))
+        p = {
+            name: getattr(layer, name).to(dt)
+            for name in (
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "pre_feedforward_layernorm_2",
+                "post_feedforward_layernorm_1",
+                "post_feedforward_layernorm_2",
+                "post_feedforward_layernorm",
+                "mlp_gate",
+                "mlp_up",
+                "mlp_down",
+                "router_proj",
+                "router_scale",
+                "experts_gate_up",
+                "experts_down",
+                "layer_scalar",
+            )
+        }
+        p["per_expert_scale"] = layer.per_expert_scale
+        return fused_ops.moe_layer_ffn(h, attn, p, eps, self.cfg.top_k_experts, r)
