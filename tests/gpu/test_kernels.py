@@ -150,7 +150,7 @@ def test_fused_regions_match_eager():
         pos = torch.arange(30000, 30000 + c, device=DEV)
         want = eager["qkv_post"](q, k, v, qn, kn, inv, pos, 1e-6)
         got = comp["qkv_post"](q, k, v, qn, kn, inv, pos, 1e-6)
-        for a, b in zip(got, want):
+        for a, b in zip(got, want, strict=True):
             assert a.shape == b.shape and rel(a, b) < 1e-2, hd
     x = torch.randn(c, 2816, device=DEV, dtype=torch.bfloat16) * 5
     w = 1 + 0.3 * torch.randn(2816, device=DEV, dtype=torch.bfloat16)
