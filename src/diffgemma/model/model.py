@@ -228,6 +228,12 @@ class DiffusionGemma(nn.Module):
         cap = self.cfg.final_logit_softcapping
         return torch.tanh(logits / cap) * cap
 
+    def _inv_freq(self, layer: Layer, device: torch.device) -> torch.Tensor:
+        lt = self.cfg.layer_types[layer.idx]
+        if self.inv_freq[lt].device != device:  # move once: a host copy cannot sit inside a CUDA graph
+            self.inv_freq[lt] = self.inv_freq[lt].to(device)
+        return self.inv_freq[lt]
+
     def _qkv(self, layer: Layer, x: torch.Tensor, positions: torch.Tensor):
         """Q [1,H,T,d], K and V [1,Hkv,T,d] for x [T, hidden] at `positions`."""
         eps = self.cfg.rms_norm_eps
@@ -235,10 +241,7 @@ class DiffusionGemma(nn.Module):
         q = F.linear(x, layer.q_proj.to(x.dtype)).view(t, layer.n_heads, hd)
         k_raw = F.linear(x, layer.k_proj.to(x.dtype)).view(t, layer.n_kv, hd)
         v = F.linear(x, layer.v_proj.to(x.dtype)).view(t, layer.n_kv, hd) if layer.sliding else k_raw
-        inv_freq = self.inv_freq[self.cfg.layer_types[layer.idx]]
-        if inv_freq.device != positions.device:  # move once (a host copy cannot sit inside a CUDA graph)
-            inv_freq = self.inv_freq[self.cfg.layer_types[layer.idx]] = inv_freq.to(positions.device)
-        cos, sin = ops.rope_cos_sin(inv_freq, positions, x.dtype)
+        cos, sin = ops.rope_cos_sin(self._inv_freq(layer, positions.device), positions, x.dtype)
         q = ops.apply_rope(ops.rms_norm(q, layer.q_norm, eps), cos, sin)
         k = ops.apply_rope(ops.rms_norm(k_raw, layer.k_norm, eps), cos, sin)
         v = ops.rms_norm(v, None, eps)
@@ -351,9 +354,7 @@ class DiffusionGemma(nn.Module):
         q = F.linear(x, layer.q_proj.to(dt)).view(c, layer.n_heads, hd)
         k_raw = F.linear(x, layer.k_proj.to(dt)).view(c, layer.n_kv, hd)
         v = F.linear(x, layer.v_proj.to(dt)).view(c, layer.n_kv, hd) if layer.sliding else None
-        inv_freq = self.inv_freq[self.cfg.layer_types[layer.idx]]
-        if inv_freq.device != positions.device:
-            inv_freq = self.inv_freq[self.cfg.layer_types[layer.idx]] = inv_freq.to(positions.device)
+        inv_freq = self._inv_freq(layer, positions.device)
         q, k, v = r["qkv_post"](q, k_raw, v, layer.q_norm, layer.k_norm, inv_freq, positions, eps)
         keys, vals = kv.read_with(layer.idx, k, v)
         out = fast_ops.attention_nomask(q, keys, vals)
