@@ -247,8 +247,9 @@ class DiffusionGemma(nn.Module):
         v = ops.rms_norm(v, None, eps)
         return q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
 
-    def _ffn(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
-        """Dense MLP and MoE in parallel on the post-attention stream, seven norms in all."""
+    def _ffn(self, layer: Layer, h: torch.Tensor, experts=None) -> torch.Tensor:
+        """Dense MLP and MoE in parallel on the post-attention stream, seven norms in all. `experts` overrides
+        the expert kernel (the trainer's differentiable all-experts sum)."""
         eps = self.cfg.rms_norm_eps
         dt = h.dtype
         x = ops.rms_norm(h, layer.pre_feedforward_layernorm, eps)
@@ -266,7 +267,7 @@ class DiffusionGemma(nn.Module):
             eps,
         )
         x2 = ops.rms_norm(h, layer.pre_feedforward_layernorm_2, eps)
-        experts = fast_ops.moe_experts if self.is_fast else ops.moe_experts
+        experts = experts or (fast_ops.moe_experts if self.is_fast else ops.moe_experts)
         moe = experts(x2, weights, ids, layer.experts_gate_up.to(dt), layer.experts_down.to(dt))
         moe = ops.rms_norm(moe, layer.post_feedforward_layernorm_2, eps)
         return ops.rms_norm(dense + moe, layer.post_feedforward_layernorm, eps)

@@ -100,28 +100,8 @@ def moe_dense(
 
 
 def _ffn(model: DiffusionGemma, layer: Layer, h: torch.Tensor, moe: str) -> torch.Tensor:
-    """As `DiffusionGemma._ffn` on h [N, hidden]."""
-    eps = model.cfg.rms_norm_eps
-    dt = h.dtype
-    x = ops.rms_norm(h, layer.pre_feedforward_layernorm, eps)
-    dense = F.linear(
-        ops.gelu_tanh(F.linear(x, layer.mlp_gate.to(dt))) * F.linear(x, layer.mlp_up.to(dt)),
-        layer.mlp_down.to(dt),
-    )
-    dense = ops.rms_norm(dense, layer.post_feedforward_layernorm_1, eps)
-    weights, ids = ops.route(
-        h,
-        layer.router_proj.to(dt),
-        layer.router_scale.to(dt),
-        layer.per_expert_scale,
-        model.cfg.top_k_experts,
-        eps,
-    )
-    x2 = ops.rms_norm(h, layer.pre_feedforward_layernorm_2, eps)
-    experts = moe_dense if moe == "dense" else ops.moe_experts
-    out = experts(x2, weights, ids, layer.experts_gate_up.to(dt), layer.experts_down.to(dt))
-    out = ops.rms_norm(out, layer.post_feedforward_layernorm_2, eps)
-    return ops.rms_norm(dense + out, layer.post_feedforward_layernorm, eps)
+    """`DiffusionGemma._ffn` on h [N, hidden], with the chosen expert kernel."""
+    return model._ffn(layer, h, experts=moe_dense if moe == "dense" else ops.moe_experts)
 
 
 def train_forward(
