@@ -23,7 +23,9 @@ class Conversation:
     def __init__(self, engine: Engine, max_tokens: int | None = None, rewind_slack: int = REWIND_SLACK):
         self.engine = engine
         max_tokens = max_tokens or engine.max_tokens
-        self.kv = engine.model.new_cache(max_tokens, ring_size=ring_slots(engine.config, max_tokens, rewind_slack))
+        self.kv = engine.model.new_cache(
+            max_tokens, ring_size=ring_slots(engine.config, max_tokens, rewind_slack)
+        )
         self.log: list[int] = []
 
     @property
