@@ -80,7 +80,6 @@ def denoise_block(
     cfg: SamplerConfig,
     seed: int,
     canvas_len: int,
-    initial_canvas: torch.Tensor | None = None,
     on_step: Callable[[StepInfo], None] | None = None,
     cancel: CancelToken | None = None,
     block_index: int = 0,
@@ -94,7 +93,7 @@ def denoise_block(
     uniforms = None
     if not cfg.denoiser_argmax:
         uniforms = torch.from_numpy(rng.uniforms(n * canvas_len).reshape(n, canvas_len)).to(device)
-    canvas = noise[0] if initial_canvas is None else initial_canvas.to(device).reshape(-1)
+    canvas = noise[0]
     stops = S.StopState(cfg, cfg.pad_token_id)
     probs = None
     stats = None
@@ -154,7 +153,6 @@ def generate(
     on_step: Callable[[StepInfo], None] | None = None,
     on_block: Callable[[list[int]], None] | None = None,
     cancel: CancelToken | None = None,
-    initial_canvases: list[torch.Tensor] | None = None,
 ) -> GenerateOutput:
     """Prefill `prompt_ids` (the tokens not yet in `kv`) and generate a reply.
 
@@ -193,11 +191,8 @@ def generate(
             length = min(canvas_len, max(remaining, MIN_CANVAS))
         retry = 0
         while True:
-            initial = (
-                initial_canvases[b] if initial_canvases and b < len(initial_canvases) and retry == 0 else None
-            )
             res = denoise_block(
-                model, kv, cfg, block_seed(seed, b, retry), length, initial, on_step, cancel, block_index=b
+                model, kv, cfg, block_seed(seed, b, retry), length, on_step, cancel, block_index=b
             )
             if res is None:
                 out.finish_reason = "cancelled"
@@ -218,13 +213,10 @@ def generate(
         out.blocks += 1
         tokens = res.tokens
         stop_at = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
-        if stop_at is not None and cfg.commit_conf_trim > 0:
+        if cfg.commit_conf_trim > 0:
             cut = confidence_cut(tokens, res.p_max, cfg.commit_conf_trim, stop_ids)
-            if cut < stop_at:
-                stop_at = None
-                tokens = tokens[:cut]
-        elif cfg.commit_conf_trim > 0:
-            tokens = tokens[: confidence_cut(tokens, res.p_max, cfg.commit_conf_trim, stop_ids)]
+            if cut < len(tokens):  # a cut lies before any stop token: the rest re-denoises next block
+                tokens, stop_at = tokens[:cut], None
         out.cached_tokens = len(out.token_ids)
         if stop_at is not None:
             kept = tokens[:stop_at][:remaining]
