@@ -69,7 +69,7 @@ class StopState:
         self.pad_id = pad_id
         self.history: list[torch.Tensor] = []  # previous argmax canvases, newest last
         self.prev_mask: torch.Tensor | None = None
-        self.plateau_run_t: torch.Tensor | None = None
+        self.plateau_run: torch.Tensor | None = None  # consecutive steps with an unchanged accept mask
 
     def update(
         self, step: int, argmax: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor
@@ -88,18 +88,12 @@ class StopState:
         stop = stable & (mean_h < cfg.confidence_threshold)
 
         if cfg.plateau_steps > 0:
-            same = (
-                (mask == self.prev_mask).all()
-                if self.prev_mask is not None
-                else torch.zeros((), dtype=torch.bool, device=mask.device)
-            )
-            run = (
-                self.plateau_run_t if self.plateau_run_t is not None else torch.zeros((), device=mask.device)
-            )
-            run = torch.where(same, run + 1, torch.zeros_like(run))
-            self.plateau_run_t = run
-            # "unchanged for >= N consecutive steps": N equal transitions after the first mask
-            stop |= (run >= cfg.plateau_steps) & (mean_h < cfg.plateau_mean_entropy)
+            if self.prev_mask is None:
+                self.plateau_run = torch.zeros((), device=mask.device)
+            else:  # "unchanged for >= N consecutive steps": N equal transitions after the first mask
+                same = (mask == self.prev_mask).all()
+                self.plateau_run = torch.where(same, self.plateau_run + 1, torch.zeros_like(self.plateau_run))
+            stop |= (self.plateau_run >= cfg.plateau_steps) & (mean_h < cfg.plateau_mean_entropy)
         self.prev_mask = mask
 
         if cfg.entropy_stop > 0 and step >= cfg.entropy_stop_min_steps:
