@@ -8,7 +8,7 @@ import torch
 
 import diffgemma
 from diffgemma.train import data
-from diffgemma.train.tokenizer import REQUIRED_IDS, demo_tokenizer
+from diffgemma.train.tokenizer import demo_tokenizer
 from diffgemma.train.trainer import TrainConfig, train
 
 
@@ -28,7 +28,20 @@ def test_corpus_is_deterministic_and_heldout_is_disjoint():
 
 def test_demo_tokenizer_keeps_special_ids_and_splits_digits():
     tok = demo_tokenizer(data.tokenizer_corpus(300), vocab_size=1024)
-    for text, i in REQUIRED_IDS.items():
+    real_ids = {
+        "<pad>": 0,
+        "<eos>": 1,
+        "<bos>": 2,
+        "<|tool_call>": 48,
+        "<|tool_response>": 50,
+        '<|"|>': 52,
+        "<|channel>": 100,
+        "<channel|>": 101,
+        "<|turn>": 105,
+        "<turn|>": 106,
+        "\n": 107,
+    }
+    for text, i in real_ids.items():
         assert tok.token_to_id(text) == i
     assert tok.encode("17 + 25", add_special_tokens=False).tokens == ["1", "7", "Ġ+", "Ġ", "2", "5"]
     ex = data.generate(20, 3)
