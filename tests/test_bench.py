@@ -1,0 +1,24 @@
+"""`diffgemma bench` on CPU at a tiny shape: the JSON it writes, side by side with transformers (fp32)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from diffgemma.bench import main
+
+pytest.importorskip("transformers")
+
+
+def test_bench_tiny_writes_both_engines_and_the_check(tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["--tiny", "--device", "cpu", "--dtype", "float32", "--contexts", "64", "--reps", "10"]
+    assert main([*args, "--gen-steps", "2", "--compare-hf", "--check-hf", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    for engine in ("diffgemma", "transformers"):
+        assert data[engine]["denoise_step_ms"]["64"] > 0 and data[engine]["prefill_tok_s"]["64"] > 0
+        assert data[engine]["generate_256_s"] > 0
+    check = data["check_hf"]["end_to_end"]
+    for case in ("no_sc", "sc"):  # fp32 at a tiny shape: the same logits, the same argmax on every row
+        assert check[case]["max_abs_diff"] < 1e-4 and check[case]["argmax_agreement"] == 1.0
