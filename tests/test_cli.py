@@ -165,3 +165,15 @@ def test_ctrl_c_cancels_the_reply_not_the_session(model):
     turn = json.loads(out.splitlines()[0])
     assert turn["finish_reason"] == "cancelled" and turn["completion_tokens"] < 6000
     assert "cancelled" in err and "Traceback" not in err
+
+
+def test_train_and_eval_commands_exit_zero(tmp_path):
+    out = tmp_path / "tiny"
+    proc = run(
+        "train", "--out", str(out), "--preset", "tiny", "--steps", "2", "--device", "cpu", "--eval-n", "0"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "model.safetensors").exists() or (out / "model.safetensors.index.json").exists()
+    proc = run("eval", "-m", str(out), "--n", "1", "--tasks", "arith", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert "arith" in proc.stdout and "overall" in proc.stdout

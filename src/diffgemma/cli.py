@@ -414,13 +414,15 @@ def _bench(argv: list[str]) -> int:
 def _train(argv: list[str]) -> int:
     from diffgemma.train.cli import train_main
 
-    return train_main(argv)
+    train_main(argv)  # returns its summary (also printed); success is exit 0
+    return 0
 
 
 def _eval(argv: list[str]) -> int:
     from diffgemma.train.cli import eval_main
 
-    return eval_main(argv)
+    eval_main(argv)
+    return 0
 
 
 _passthrough("bench", _bench)

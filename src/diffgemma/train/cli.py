@@ -94,7 +94,7 @@ def eval_main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="")
     ap.add_argument("--tasks", default=",".join(data.TASKS))
     ap.add_argument("--max-new-tokens", type=int, default=160)
-    ap.add_argument("--json", default="", help="where to write the result (default: MODEL/eval.json)")
+    ap.add_argument("--json", default="", help="also write the result as JSON to this file")
     a = ap.parse_args(argv)
     tasks = tuple(t for t in a.tasks.split(",") if t)
     unknown = [t for t in tasks if t not in data.TASKS]
@@ -102,9 +102,9 @@ def eval_main(argv: list[str] | None = None) -> dict:
         ap.error(f"unknown tasks {unknown}; choose from {', '.join(data.TASKS)}")
     result = evaluate(a.model, a.n, a.seed, a.device or None, a.dtype or None, tasks, a.max_new_tokens)
     print(format_table(result))
-    out = a.json or str(Path(a.model) / "eval.json")
-    write_json(result, out)
-    print(f"wrote {out}")
+    if a.json:
+        write_json(result, a.json)
+        print(f"wrote {a.json}")
     return result
 
 
