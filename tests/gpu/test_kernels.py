@@ -68,7 +68,8 @@ def test_attention_window_and_causal_past_match_reference():
         assert rel(got, want) < 1e-2, (hd, sliding)
 
 
-def test_graphed_denoise_matches_eager(tmp_path):
+def _tiny_bf16_model_with_prompt(tmp_path):
+    """A tiny bf16 model on the GPU, a 40-token prompt prefilled into a fresh cache, and a canvas."""
     from diffgemma.testing import write_tiny_checkpoint
     from diffgemma.weights.loader import load_model
 
@@ -78,6 +79,11 @@ def test_graphed_denoise_matches_eager(tmp_path):
     canvas = torch.randint(0, m.cfg.vocab_size, (1, m.cfg.canvas_length), generator=g)
     kv = m.new_cache(128)
     m.prefill(prompt, kv)
+    return m, canvas, kv
+
+
+def test_graphed_denoise_matches_eager(tmp_path):
+    m, canvas, kv = _tiny_bf16_model_with_prompt(tmp_path)
     m.fast = False
     want = m.denoise(canvas, kv)
     sc = torch.softmax(want[0] / 0.7, -1)
@@ -182,15 +188,7 @@ def test_fused_regions_match_eager():
 
 
 def test_fused_graphed_denoise_matches_unfused(tmp_path):
-    from diffgemma.testing import write_tiny_checkpoint
-    from diffgemma.weights.loader import load_model
-
-    m = load_model(write_tiny_checkpoint(tmp_path / "c", seed=3), DEV, torch.bfloat16)
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, m.cfg.vocab_size, (1, 40), generator=g)
-    canvas = torch.randint(0, m.cfg.vocab_size, (1, m.cfg.canvas_length), generator=g)
-    kv = m.new_cache(128)
-    m.prefill(prompt, kv)
+    m, canvas, kv = _tiny_bf16_model_with_prompt(tmp_path)
     m.fuse = False
     want = m.denoise(canvas, kv)
     sc = torch.softmax(want[0] / 0.7, -1)
