@@ -10,6 +10,8 @@ from tokenizers import Tokenizer
 
 import diffgemma
 from diffgemma.chat.template import render_gemma4
+from diffgemma.chat.toolcall import parse_call
+from diffgemma.train import data
 
 DEMO = Path(diffgemma.__file__).parent / "assets" / "demo"
 MISSING = f"the demo model is not bundled ({DEMO}/model.safetensors is missing)"
@@ -38,15 +40,24 @@ def test_demo_replies_in_the_arithmetic_format_within_seconds(demo):
     assert out.finish_reason == "stop" and out.stop_token == 106  # ended on <turn|>
 
 
-@pytest.mark.xfail(
-    reason="the bundled demo had 1365 training steps (7 min on one H200, the device budget); its held-out "
-    "arithmetic accuracy is 5-10% (docs/train/eval_*.json) and it answers 17 + 25 = 74. Retrain longer.",
-    strict=True,
-)
 def test_demo_answers_arithmetic(demo):
     engine, tok = demo
     text, _ = _ask(engine, tok, "What is 17 + 25?")
-    assert "42" in text, text
+    assert text == "17 + 25 = 42", text
+
+
+def test_demo_calls_a_tool_in_the_gemma4_grammar(demo):
+    engine, tok = demo
+    tools = [t for t in data.TOOLS if t["function"]["name"] in ("get_weather", "set_timer")]
+    prompt = render_gemma4([{"role": "user", "content": "What's the weather like in Paris?"}], tools=tools)
+    out = engine.generate(tok.encode(prompt, add_special_tokens=False).ids, max_new_tokens=64, seed=0)
+    text = tok.decode(out.token_ids, skip_special_tokens=False)
+    assert out.stop_token == 50  # <|tool_response>: the turn pauses for the tool's result
+    assert text.startswith("<|tool_call>") and text.endswith("<tool_call|>"), text
+    assert parse_call(text.removeprefix("<|tool_call>").removesuffix("<tool_call|>")) == (
+        "get_weather",
+        {"city": "Paris"},
+    )
 
 
 def test_demo_shape_and_size():

@@ -544,9 +544,31 @@ def check_hf(model: DiffusionGemma, hf, ctx: int, device: torch.device) -> dict[
         }
     model.fuse = fuse0
     out["per_layer"] = per_layer
+    out["reference_vs_itself"] = _hf_noise_floor(hf, ids.to(device), canvas, b, b_sc, sc)
     # kept for continuity with the earlier results: the end-to-end numbers at the top level
     out["no_sc"], out["sc"] = out["end_to_end"]["no_sc"], out["end_to_end"]["sc"]
     return out
+
+
+def _hf_noise_floor(hf, ids, canvas, b, b_sc, sc) -> dict[str, Any]:
+    """transformers against itself: the same weights, prompt and canvas with eager attention instead of sdpa
+    (another valid bf16 implementation), compared as we are. The agreement bf16 rounding alone allows on these
+    weights, the yardstick for our end-to-end numbers."""
+    from transformers.cache_utils import DynamicCache
+
+    try:
+        hf.set_attn_implementation("eager")
+        cache = DynamicCache(config=hf.config.get_text_config(decoder=True))
+        hf.model.encoder(input_ids=ids, past_key_values=cache)
+        alt = hf(decoder_input_ids=canvas, past_key_values=cache).logits.float()
+        alt_sc = hf(
+            decoder_input_ids=canvas, past_key_values=cache, self_conditioning_logits=sc
+        ).logits.float()
+        return {"alt": "attn eager", "no_sc": _compare_logits(alt, b), "sc": _compare_logits(alt_sc, b_sc)}
+    except Exception as e:  # noqa: BLE001 - a transformers without the switch: say so in the JSON
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        hf.set_attn_implementation("sdpa")
 
 
 def _table(results: dict[str, Any], ctxs: list[int]) -> str:

@@ -185,6 +185,7 @@ def test_fused_regions_match_eager():
     assert rel(want_eager, want) < 1e-2
     assert rel(got, want) < 1e-2
     assert not any(r.failed for r in comp.values()), fused.regions_report(comp)
+    assert not fast._triton_failed  # the Triton MoE kernels ran (where triton exists), no silent fallback
 
 
 def test_fused_graphed_denoise_matches_unfused(tmp_path):

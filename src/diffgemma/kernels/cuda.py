@@ -7,6 +7,9 @@ graph. The functions also run on CPU (slowly), which is how they are exercised w
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -17,8 +20,63 @@ _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
 # -- MoE ---------------------------------------------------------------------------------------------
 
+# The Triton kernels read an expert's weights again for every ~32 of its pairs (block_m * m_slots): right
+# for a denoise step (~16 pairs per expert), wrong for a prefill chunk (hundreds), where the grouped GEMMs
+# win. bench/moe_kernels.py measures the crossover.
+_TRITON_MAX_PAIRS_PER_EXPERT = 32
+# Set once a Triton call has failed (a compile error, say): the grouped GEMMs serve from then on.
+_triton_failed = False
+
+
+@functools.cache
+def _triton_module():
+    """kernels.triton_moe, or None without triton; imported on the first CUDA call, not at startup."""
+    try:
+        from diffgemma.kernels import triton_moe
+    except ImportError:
+        return None
+    except Exception as e:  # noqa: BLE001 - a broken or too old triton: the grouped GEMMs, loudly
+        print(
+            f"diffgemma: triton unusable ({type(e).__name__}: {e}); grouped GEMMs for the MoE",
+            file=sys.stderr,
+        )
+        return None
+    return triton_moe
+
+
+def triton_moe_for(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor):
+    """kernels.triton_moe when its kernels suit this call (CUDA, 16-bit weights, few pairs per expert and no
+    earlier failure), else None."""
+    few_pairs = ids.numel() <= _TRITON_MAX_PAIRS_PER_EXPERT * gate_up.shape[0]
+    if _triton_failed or not (x.is_cuda and few_pairs and gate_up.dtype in (torch.bfloat16, torch.float16)):
+        return None
+    return _triton_module()
+
+
+def triton_failed(e: Exception) -> None:
+    """Record a failed Triton MoE call: the grouped GEMMs serve from then on."""
+    global _triton_failed
+    _triton_failed = True
+    msg = str(e).splitlines()[0] if str(e) else ""
+    print(f"diffgemma: Triton MoE kernels failed ({type(e).__name__}: {msg}); grouped GEMMs", file=sys.stderr)
+
 
 def moe_experts(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """torch_ref.moe_experts: on CUDA with triton and few pairs per expert (a denoise step's ~16, where the
+    grouped GEMMs read the weights at half the memory bandwidth), the two Triton kernels of `triton_moe`;
+    otherwise `moe_experts_grouped`. Both round the same way; they differ only in fp32 accumulation order."""
+    tm = triton_moe_for(x, ids, gate_up)
+    if tm is not None:
+        try:
+            return tm.moe_experts_triton(x, weights, ids, gate_up, down)
+        except Exception as e:  # noqa: BLE001 - any failure: fall back for good, loudly
+            triton_failed(e)
+    return moe_experts_grouped(x, weights, ids, gate_up, down)
+
+
+def moe_experts_grouped(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
     """torch_ref.moe_experts as two grouped GEMMs: sort (row, expert) pairs by expert, gather, gate_up GEMM,
@@ -48,11 +106,19 @@ def moe_experts(
 def attention_nomask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Unmasked attention (the denoise phase), scale 1. q [1, H, T, d], k/v [1, Hkv, S, d].
 
-    GQA is folded into the query length ([1, Hkv, g*T, d]) so that SDPA runs plain multi-head attention with
-    no expanded K/V and no mask: flash for d <= 256, memory-efficient for the d = 512 full layers."""
+    GQA is folded into the query length ([1, Hkv, g*T, d]) so that each KV head is read once and no mask is
+    needed. d <= 256 (sliding layers) runs SDPA's flash kernel. d = 512 (full layers) has no flash kernel and
+    PyTorch's memory-efficient one ran at ~90 TFLOP/s on an H200 (3 ms per layer at 32k); there the scores are
+    materialized instead: two cuBLAS GEMMs at several hundred TFLOP/s around an fp32 softmax. The scores come
+    out of the GEMM in fp32 (bf16 products, fp32 accumulation, as in the fused kernels) and P is rounded to the
+    value dtype before P @ V, as flash kernels do. Memory: Hkv * g*T * S * 6 bytes (3 GiB at 128k)."""
     _, h, t, d = q.shape
     hkv = k.shape[1]
     qf = q.reshape(1, hkv, (h // hkv) * t, d)
+    if d > 256 and q.is_cuda:
+        scores = torch.bmm(qf[0], k[0].transpose(1, 2), out_dtype=torch.float32)  # [Hkv, g*T, S]
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        return torch.bmm(probs, v[0]).reshape(1, h, t, d)
     out = F.scaled_dot_product_attention(qf, k, v, scale=1.0)
     return out.reshape(1, h, t, d)
 

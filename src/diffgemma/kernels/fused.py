@@ -17,6 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from diffgemma.kernels import cuda
 from diffgemma.kernels import torch_ref as ref
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
@@ -66,8 +67,9 @@ def pre_ffn(
 ):
     """Attention residual, the dense MLP (normed), routing, and the expert-sorted gather of the MoE input.
 
-    Returns h (after the attention residual), dense (post_feedforward_layernorm_1'd), xs [N*k, H] (rows
-    sorted by expert), offs (int32 cumulative counts), perm (the sort permutation), weights [N, k] fp32."""
+    Returns h (after the attention residual), dense (post_feedforward_layernorm_1'd), x2 [N, H] (the experts'
+    input), bounds (int32 [E + 1]: expert e owns sorted pairs bounds[e]:bounds[e+1]), perm (the stable sort
+    of the flat (row, j) pairs by expert), weights [N, k] fp32."""
     h = h + ref.rms_norm(attn, w_post_attn, eps)
     x = ref.rms_norm(h, w_pre_ff, eps)
     dense = F.linear(ref.gelu_tanh(F.linear(x, mlp_gate)) * F.linear(x, mlp_up), mlp_down)
@@ -76,12 +78,18 @@ def pre_ffn(
     x2 = ref.rms_norm(h, w_pre_ff2, eps)
     n_exp = router_proj.shape[0]
     flat = ids.reshape(-1)
-    _, perm = torch.sort(flat, stable=True)
-    xs = x2[perm // top_k]
-    # per-expert counts without a host sync: a one-hot sum (N*k x E is small) instead of bincount
-    counts = (flat[:, None] == torch.arange(n_exp, device=flat.device)[None, :]).sum(0)
-    offs = torch.cumsum(counts, dim=0).to(torch.int32)
-    return h, dense, xs, offs, perm, weights
+    # A stable counting sort by expert on the one-hot [N*k, E] (small): counts without a host sync, and each
+    # pair's slot = its expert's start + its rank among that expert's pairs. Same permutation as
+    # torch.sort(flat, stable=True), whose radix sort took 29 us a layer on an H200, without the sort kernel.
+    onehot = (flat[:, None] == torch.arange(n_exp, device=flat.device)[None, :]).to(torch.int32)
+    counts = onehot.sum(0)
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    rank = torch.cumsum(onehot, dim=0).gather(1, flat[:, None])[:, 0] - 1
+    slot = (offs - counts)[flat] + rank
+    perm = torch.empty_like(flat)
+    perm[slot] = torch.arange(flat.shape[0], device=flat.device)
+    bounds = F.pad(offs, (1, 0))
+    return h, dense, x2, bounds, perm, weights
 
 
 def gelu_mul(gu: torch.Tensor) -> torch.Tensor:
@@ -99,20 +107,28 @@ def post_ffn(
     w_post_ff: torch.Tensor,
     scalar: torch.Tensor,
     eps: float,
+    weighted: bool,
 ) -> torch.Tensor:
-    """Un-sort the expert outputs, weighted sum per row (fp32), the last three norms, residual, layer scalar."""
+    """The weighted sum per row of the expert outputs (fp32), the last three norms, residual, layer scalar.
+
+    y is the grouped GEMMs' output in sorted pair order, or (`weighted`) the Triton kernels' fp32 slots,
+    already multiplied by the routing weights and in (row, j) order."""
     n, k = weights.shape
-    unsorted = torch.empty_like(y)
-    unsorted[perm] = y
-    moe = (unsorted.view(n, k, -1).float() * weights.reshape(n, k, 1).float()).sum(1).to(h.dtype)
+    if weighted:
+        moe = y.view(n, k, -1).sum(1).to(h.dtype)
+    else:
+        unsorted = torch.empty_like(y)
+        unsorted[perm] = y
+        moe = (unsorted.view(n, k, -1).float() * weights.reshape(n, k, 1).float()).sum(1).to(h.dtype)
     moe = ref.rms_norm(moe, w_post_ff2, eps)
     h = h + ref.rms_norm(dense + moe, w_post_ff, eps)
     return h * scalar.to(h.dtype)
 
 
 def moe_layer_ffn(h, attn, p: dict, eps: float, top_k: int, regions: dict) -> torch.Tensor:
-    """The whole FFN half of a layer from the attention output: regions + the two grouped GEMMs."""
-    h, dense, xs, offs, perm, weights = regions["pre_ffn"](
+    """The whole FFN half of a layer from the attention output: regions + the expert kernels (Triton where
+    `cuda.triton_moe_for` allows, else the two grouped GEMMs)."""
+    h, dense, x2, bounds, perm, weights = regions["pre_ffn"](
         h,
         attn,
         p["post_attention_layernorm"],
@@ -128,8 +144,22 @@ def moe_layer_ffn(h, attn, p: dict, eps: float, top_k: int, regions: dict) -> to
         eps,
         top_k,
     )
-    gu = _grouped_mm(xs, p["experts_gate_up"].transpose(1, 2), offs=offs)
-    y = _grouped_mm(regions["gelu_mul"](gu), p["experts_down"].transpose(1, 2), offs=offs)
+    gate_up, down = p["experts_gate_up"], p["experts_down"]
+    y = None
+    tm = cuda.triton_moe_for(x2, perm, gate_up)
+    if tm is not None:
+        try:
+            cfg = tm.CONFIGS[tm.DEFAULT_CONFIG]
+            act = tm.gate_up_act(x2, gate_up, perm, bounds, top_k, cfg.gate_up)
+            y = tm.down_weighted(act, down, weights, perm, bounds, cfg.down)
+        except Exception as e:  # noqa: BLE001 - any failure: the grouped GEMMs from then on, loudly
+            cuda.triton_failed(e)
+            y = None
+    weighted = y is not None
+    if y is None:
+        offs = bounds[1:]
+        gu = _grouped_mm(x2[perm // top_k], gate_up.transpose(1, 2), offs=offs)
+        y = _grouped_mm(regions["gelu_mul"](gu), down.transpose(1, 2), offs=offs)
     return regions["post_ffn"](
         h,
         dense,
@@ -140,6 +170,7 @@ def moe_layer_ffn(h, attn, p: dict, eps: float, top_k: int, regions: dict) -> to
         p["post_feedforward_layernorm"],
         p["layer_scalar"],
         eps,
+        weighted,
     )
 
 

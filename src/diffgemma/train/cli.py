@@ -24,6 +24,9 @@ def train_main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=d.warmup)
     ap.add_argument("--weight-decay", type=float, default=d.weight_decay)
     ap.add_argument("--resume", action="store_true", help="continue from OUT/train_state")
+    ap.add_argument(
+        "--init", default="", help="fine-tune from this checkpoint directory (weights + tokenizer)"
+    )
     ap.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:1 ...")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--preset", choices=sorted(PRESETS), default=d.preset)
@@ -62,6 +65,7 @@ def train_main(argv: list[str] | None = None) -> dict:
         ckpt_every=a.ckpt_every,
         max_shard_mb=a.max_shard_mb,
         resume=a.resume,
+        init=a.init,
     )
     summary = train(cfg)
     print(json.dumps(summary, indent=2))

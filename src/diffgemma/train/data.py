@@ -27,15 +27,17 @@ from diffgemma.chat.template import render_gemma4
 from diffgemma.chat.toolcall import format_call
 
 TASKS = ("arith", "retrieval", "long", "tool_call", "tool_answer", "think", "yesno")
-# Share of each task in a training batch.
+# Share of each task in a training batch. The three tasks with accuracy targets (arithmetic, retrieval, tool
+# calls) get most of it: the first 1365-step run learned the formats of every task but left arithmetic and
+# retrieval near 0% exact match while the easier tasks were at 55-80%.
 TASK_WEIGHTS = {
-    "arith": 0.20,
-    "retrieval": 0.24,
-    "long": 0.12,
-    "tool_call": 0.14,
-    "tool_answer": 0.10,
-    "think": 0.10,
-    "yesno": 0.10,
+    "arith": 0.28,
+    "retrieval": 0.30,
+    "long": 0.06,
+    "tool_call": 0.16,
+    "tool_answer": 0.07,
+    "think": 0.07,
+    "yesno": 0.06,
 }
 HELDOUT_BUCKETS = 10  # 1 in 10 identities is held out
 TURN_END = "<turn|>"

@@ -29,6 +29,7 @@ on-disk format (bf16) and training resumes from `train_state/`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -48,6 +49,7 @@ from diffgemma.train import checkpoint as ckpt
 from diffgemma.train import data
 from diffgemma.train.forward import train_forward
 from diffgemma.train.tokenizer import check_special_ids, demo_tokenizer
+from diffgemma.weights.loader import load_model
 
 PAD = 0
 
@@ -92,6 +94,7 @@ class TrainConfig:
     ckpt_every: int = 500
     max_shard_mb: float = 0.0  # shard model.safetensors above this size (0 = one file)
     resume: bool = False
+    init: str = ""  # start from this checkpoint's weights and tokenizer (fine-tuning) instead of a fresh init
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -104,6 +107,14 @@ def lr_at(cfg: TrainConfig, step: int, total: int | None = None, progress: float
     frac = (step - cfg.warmup) / max(1, total - cfg.warmup) if progress is None else progress
     cos = 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
+
+
+def autocast_for(device: str):
+    """A context factory: bf16 autocast on CUDA (fp32 master weights), nothing elsewhere."""
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext
 
 
 def resolve_device(device: str) -> str:
@@ -231,9 +242,8 @@ def corrupt(target: torch.Tensor, vocab: int, gen: torch.Generator | None = None
     return torch.where(hit, noise, target)
 
 
-def loss_on(
-    model, batch: Batch, rng: random.Random, sc: bool, autocast
-) -> tuple[torch.Tensor, dict[str, float]]:
+def loss_on(model, batch: Batch, rng: random.Random, sc: bool, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted loss and, detached, (loss, content_loss, content_acc)."""
     vocab = model.cfg.vocab_size
     noisy = corrupt(batch.target, vocab)
     seed_first = rng.random() < 0.7
@@ -254,11 +264,27 @@ def loss_on(
     with torch.no_grad():
         content = batch.content.float()
         correct = (logits.argmax(-1) == batch.target).float()
-        stats = {
-            "content_loss": float((ce * content).sum() / content.sum()),
-            "content_acc": float((correct * content).sum() / content.sum()),
-        }
+        stats = torch.stack(
+            [loss.detach(), (ce * content).sum() / content.sum(), (correct * content).sum() / content.sum()]
+        )
     return loss, stats
+
+
+def train_step(model, opt, micro: list[list], rng: random.Random, cfg: TrainConfig, device: str, autocast):
+    """One optimizer step over the step's microbatches; returns (loss, content_loss, content_acc) on the device."""
+    sc = rng.random() < cfg.sc_prob
+    n_rows = sum(len(m) for m in micro)
+    opt.zero_grad(set_to_none=True)
+    total = None
+    for rows in micro:
+        batch = collate(rows, device)
+        loss, stats = loss_on(model, batch, rng, sc, autocast)
+        (loss * len(rows) / n_rows).backward()
+        part = stats * (len(rows) / n_rows)
+        total = part if total is None else total + part
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    return total
 
 
 def param_groups(model, weight_decay: float):
@@ -279,12 +305,17 @@ def write_readme(out: Path, cfg: TrainConfig, model_cfg: dict[str, Any], info: d
     lines = [
         "# diffgemma demo model",
         "",
-        "A small DiffusionGemma-architecture model (Gemma 4 MoE, block diffusion) trained from scratch by",
+        "A small DiffusionGemma-architecture model (Gemma 4 MoE, block diffusion) trained by",
         "`diffgemma train` on the synthetic instruction corpus of `diffgemma.train.data` (arithmetic, key-value",
         "retrieval beyond the sliding window, counting answers longer than one canvas, tool calls, answers after",
         "tool results, short thought-channel answers, yes/no questions), rendered in the Gemma 4 chat format.",
         "It knows nothing else: it exists so that the engine, CLI and server have a real model to run on CPU.",
         "",
+        *(
+            [f"This run fine-tuned the weights of `{cfg.init}` (its tokenizer and config too).", ""]
+            if cfg.init
+            else []
+        ),
         "## Shape",
         "",
         f"- parameters: {n_params:,} (stored as bf16)",
@@ -341,14 +372,26 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
 
     tok_path = out / "tokenizer.json"
-    if cfg.resume and tok_path.exists():
-        tok = Tokenizer.from_file(str(tok_path))
+    if cfg.init:  # fine-tune: the init checkpoint's tokenizer, config and weights
+        init = Path(cfg.init)
+        tok = Tokenizer.from_file(str(init / "tokenizer.json"))
         check_special_ids(tok)
+        model_cfg = json.loads((init / "config.json").read_text())
+        if model_cfg.get("canvas_length") != cfg.canvas_length:
+            raise ValueError(
+                f"--init checkpoint has canvas_length {model_cfg.get('canvas_length')}, "
+                f"training uses {cfg.canvas_length}"
+            )
+        model = ckpt.make_trainable(load_model(init, device, torch.float32))
     else:
-        tok = demo_tokenizer(data.tokenizer_corpus(), vocab_size=cfg.vocab_size)
-    model_cfg = model_config(cfg, tok.get_vocab_size())
+        if cfg.resume and tok_path.exists():
+            tok = Tokenizer.from_file(str(tok_path))
+            check_special_ids(tok)
+        else:
+            tok = demo_tokenizer(data.tokenizer_corpus(), vocab_size=cfg.vocab_size)
+        model_cfg = model_config(cfg, tok.get_vocab_size())
+        model = ckpt.build_model(model_cfg, cfg.seed, device)
     gen_cfg = ckpt.generation_config(cfg.max_denoising_steps)
-    model = ckpt.build_model(model_cfg, cfg.seed, device)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),
@@ -371,15 +414,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     )
     print(f"model: {n_params:,} parameters, vocab {model.cfg.vocab_size}, device {device}", flush=True)
 
-    if device.startswith("cuda"):
-        torch.backends.cuda.matmul.allow_tf32 = True
-
-        def autocast():
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-    else:
-        import contextlib
-
-        autocast = contextlib.nullcontext
+    autocast = autocast_for(device)
 
     def save(step: int, final: bool) -> None:
         shard = int(cfg.max_shard_mb * 2**20) if cfg.max_shard_mb > 0 else None
@@ -412,7 +447,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     prefetch = Prefetcher(cfg, tok, start, cfg.steps)
     rng = random.Random(f"{cfg.seed}:train:{start}")
-    acc: dict[str, float] = {"loss": 0.0, "content_loss": 0.0, "content_acc": 0.0, "n": 0}
+    sums: torch.Tensor | None = None  # running (loss, content_loss, content_acc), kept on the device
+    n_acc = 0
     step = start
     total = cfg.steps
     t_loop = time.time()
@@ -428,24 +464,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             lr = lr_at(cfg, step, total, progress)
             for g in opt.param_groups:
                 g["lr"] = lr
-            micro = prefetch.get()
-            sc = rng.random() < cfg.sc_prob
-            n_rows = sum(len(m) for m in micro)
-            opt.zero_grad(set_to_none=True)
-            for rows in micro:
-                batch = collate(rows, device)
-                loss, stats = loss_on(model, batch, rng, sc, autocast)
-                (loss * len(rows) / n_rows).backward()
-                acc["loss"] += float(loss.detach()) * len(rows) / n_rows
-                acc["content_loss"] += stats["content_loss"] * len(rows) / n_rows
-                acc["content_acc"] += stats["content_acc"] * len(rows) / n_rows
-            acc["n"] += 1
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
+            stats = train_step(model, opt, prefetch.get(), rng, cfg, device, autocast)
+            sums = stats if sums is None else sums + stats
+            n_acc += 1
             step += 1
             if step % cfg.log_every == 0 or step == total:
-                n = acc.pop("n")
-                row = {k: v / n for k, v in acc.items()}
+                loss, content_loss, content_acc = (sums / n_acc).tolist()  # the only host sync
+                row = {"loss": loss, "content_loss": content_loss, "content_acc": content_acc}
                 row.update(step=step, lr=lr, seconds=time.time() - t_start)
                 log.append(row)
                 print(
@@ -453,7 +478,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     f"reply-acc {row['content_acc']:.3f}  lr {lr:.2e}  {row['seconds']:.0f}s",
                     flush=True,
                 )
-                acc = {"loss": 0.0, "content_loss": 0.0, "content_acc": 0.0, "n": 0}
+                sums, n_acc = None, 0
             if cfg.ckpt_every and step % cfg.ckpt_every == 0 and step < total:
                 save(step, final=False)
     finally:

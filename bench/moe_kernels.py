@@ -1,0 +1,222 @@
+"""Microbenchmark of the MoE experts of one denoise step: the grouped-GEMM path against the Triton kernels of
+`diffgemma.kernels.triton_moe` (every named config), at the real shape (N=256, k=8, E=128, H=2816, I=704,
+bf16). Each timing is a CUDA graph of 10 calls, the median of 20 replays (CUDA events), per call; TB/s counts
+the expert weights once (gate_up + down, 1.52 GB). Also reports each config's max abs difference from the
+grouped path, a read-only bandwidth floor (an amax over the same weights), grouped vs Triton as N grows
+(the dispatch crossover), and with --sweep each kernel alone over a grid of tile shapes. Results go to $OUT/moe_kernels.json when OUT is set.
+
+    python bench/moe_kernels.py [--sweep] [--ids routing.pt] [--configs base,m32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import statistics
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from diffgemma.kernels import cuda  # noqa: E402
+from diffgemma.kernels import triton_moe as tm  # noqa: E402
+
+N, K, E, H, INTER = 256, 8, 128, 2816, 704
+DEV = "cuda"
+
+
+def time_graph(fn: Callable[[], object], calls: int = 10, replays: int = 20) -> float:
+    """ms per call: `calls` calls captured in one CUDA graph, median over `replays` replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture: JIT compiles, cuBLAS/CUTLASS workspaces
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return statistics.median(times)
+
+
+def routing(
+    kind: str, ids_path: str | None, g: torch.Generator, n: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router-like weights and ids: uniform logits, logits with a per-expert popularity bias, or ids from
+    a file (a real step's routing, [N, k]) with random weights."""
+    n = n or N
+    logits = torch.randn(n, E, generator=g, device=DEV)
+    if kind == "skewed":
+        logits = logits + 1.5 * torch.randn(E, generator=g, device=DEV)
+    w, ids = torch.softmax(logits, dim=-1).topk(K, dim=-1)
+    if kind == "file":
+        ids = torch.load(ids_path, map_location=DEV).reshape(n, K).long()
+    return w / w.sum(-1, keepdim=True), ids
+
+
+def tbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e12
+
+
+def bench_configs(names: list[str], scenarios: list[str], args, gate_up, down, x, g) -> list[dict]:
+    nbytes = (gate_up.numel() + down.numel()) * gate_up.element_size()
+    rows = []
+    for scen in scenarios:
+        w, ids = routing(scen, args.ids, g)
+        counts = torch.bincount(ids.reshape(-1), minlength=E)
+        print(
+            f"\n[{scen}] pairs per expert: max {int(counts.max())}, empty experts {int((counts == 0).sum())}"
+        )
+        want = cuda.moe_experts_grouped(x, w, ids, gate_up, down)
+        ms = time_graph(lambda w=w, ids=ids: cuda.moe_experts_grouped(x, w, ids, gate_up, down))
+        rows.append(dict(scenario=scen, path="grouped", config=None, ms=ms, tbps=tbps(nbytes, ms)))
+        print(f"  {'grouped':12s} {ms:7.3f} ms  {tbps(nbytes, ms):5.2f} TB/s")
+        for name in names:
+            cfg = tm.CONFIGS[name]
+            row = dict(scenario=scen, path="triton", config=name, tiles=dataclasses.asdict(cfg))
+            try:
+                got = tm.moe_experts_triton(x, w, ids, gate_up, down, cfg)
+                diff = (got.float() - want.float()).abs().max().item()
+                rel = ((got.double() - want.double()).norm() / want.double().norm()).item()
+                ms = time_graph(
+                    lambda w=w, ids=ids, cfg=cfg: tm.moe_experts_triton(x, w, ids, gate_up, down, cfg)
+                )
+                row.update(ms=ms, tbps=tbps(nbytes, ms), max_abs_diff=diff, rel_diff=rel)
+                print(
+                    f"  {name:12s} {ms:7.3f} ms  {tbps(nbytes, ms):5.2f} TB/s  max|diff| {diff:.3g}  rel {rel:.2g}"
+                )
+            except Exception as e:  # noqa: BLE001 - a config that fails to compile or run: report, go on
+                row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                print(f"  {name:12s} FAILED {row['error']}")
+                traceback.print_exc(limit=2)
+            rows.append(row)
+    return rows
+
+
+def bench_crossover(gate_up, down, g) -> list[dict]:
+    """Grouped vs Triton (default config) as the rows grow: where cuda.moe_experts should stop dispatching
+    to Triton (its _TRITON_MAX_PAIRS_PER_EXPERT; N=512 is 32 pairs per expert)."""
+    nbytes = (gate_up.numel() + down.numel()) * 2
+    rows = []
+    print(f"\n[crossover] default config {tm.DEFAULT_CONFIG!r}, uniform routing")
+    for n in (128, 256, 512, 1024, 2048, 4096):
+        x = torch.randn(n, H, generator=g, device=DEV, dtype=torch.bfloat16)
+        w, ids = routing("uniform", None, g, n)
+        row = dict(n=n, pairs_per_expert=n * K / E)
+        try:
+            for path, fn in (("grouped", cuda.moe_experts_grouped), ("triton", tm.moe_experts_triton)):
+                ms = time_graph(lambda fn=fn, x=x, w=w, ids=ids: fn(x, w, ids, gate_up, down))
+                row[f"{path}_ms"] = ms
+            print(
+                f"  N={n:5d} ({n * K / E:5.0f} pairs/expert)  grouped {row['grouped_ms']:7.3f} ms"
+                f"  triton {row['triton_ms']:7.3f} ms  ({tbps(nbytes, row['triton_ms']):.2f} TB/s)"
+            )
+        except Exception as e:  # noqa: BLE001
+            row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            print(f"  N={n:5d} FAILED {row['error']}")
+        rows.append(row)
+    return rows
+
+
+def sweep_tiles() -> list[tm.Tiles]:
+    """~50 shapes around the named configs: (block_m, m_slots) in 16x1, 32x1, 16x2, the N and K blocks,
+    warps 4/8 (8 only with 64+ columns), 3/4 stages (3 only for the larger tiles), plain or swapped MMA."""
+    out = []
+    for (bm, slots), bn, bk, warps, swap in itertools.product(
+        ((16, 1), (32, 1), (16, 2)), (32, 64, 128), (64, 128, 256), (4, 8), (False, True)
+    ):
+        if (bn == 128 and bk == 256) or (warps == 8 and bn == 32) or (warps == 8 and swap):
+            continue
+        stages = 3 if bn * bk >= 128 * 128 or bm == 32 else 4
+        out.append(tm.Tiles(bm, bn, bk, num_warps=warps, num_stages=stages, m_slots=slots, swap_ab=swap))
+    return out
+
+
+def bench_sweep(gate_up, down, x, g) -> list[dict]:
+    """Each kernel alone (uniform routing) over a grid of tile shapes."""
+    w, ids = routing("uniform", None, g)
+    perm, bounds = tm.sort_pairs(ids, E)
+    act = tm.gate_up_act(x, gate_up, perm, bounds, K, tm.Tiles())
+    kernels = {
+        "gate_up": (gate_up.numel() * 2, lambda t: tm.gate_up_act(x, gate_up, perm, bounds, K, t)),
+        "down": (down.numel() * 2, lambda t: tm.down_weighted(act, down, w, perm, bounds, t)),
+    }
+    rows = []
+    tiles = sweep_tiles()
+    for kname, (nbytes, launch) in kernels.items():
+        print(f"\n[sweep {kname}] {len(tiles)} tile shapes")
+        ref_out = launch(tm.Tiles())
+        for t in tiles:
+            row = dict(kernel=kname, tiles=dataclasses.asdict(t))
+            try:
+                diff = (launch(t).float() - ref_out.float()).abs().max().item()
+                ms = time_graph(lambda t=t, launch=launch: launch(t))
+                row.update(ms=ms, tbps=tbps(nbytes, ms), max_abs_diff=diff)
+                print(f"  {t}  {ms:7.3f} ms  {tbps(nbytes, ms):5.2f} TB/s  max|diff| {diff:.3g}")
+            except Exception as e:  # noqa: BLE001
+                row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                print(f"  {t}  FAILED {row['error']}")
+            rows.append(row)
+        ok = sorted((r for r in rows if r["kernel"] == kname and "ms" in r), key=lambda r: r["ms"])
+        for r in ok[:5]:
+            print(f"  best: {r['ms']:.3f} ms {r['tbps']:.2f} TB/s {r['tiles']}")
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--configs", default=",".join(tm.CONFIGS), help="comma-separated names from CONFIGS")
+    p.add_argument("--ids", default=None, help="torch.save'd routing ids [256, 8] to bench as well")
+    p.add_argument("--sweep", action="store_true", help="also time each kernel over a grid of tiles")
+    args = p.parse_args()
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    gate_up = torch.randn(E, 2 * INTER, H, generator=g, device=DEV, dtype=torch.bfloat16) * 0.02
+    down = torch.randn(E, H, INTER, generator=g, device=DEV, dtype=torch.bfloat16) * 0.02
+    x = torch.randn(N, H, generator=g, device=DEV, dtype=torch.bfloat16)
+    nbytes = (gate_up.numel() + down.numel()) * 2
+    print(f"{torch.cuda.get_device_name()}  expert weights {nbytes / 1e9:.3f} GB per layer")
+
+    floor_ms = time_graph(lambda: (gate_up.amax(), down.amax()))
+    print(f"read floor (amax over the weights): {floor_ms:.3f} ms  {tbps(nbytes, floor_ms):.2f} TB/s")
+
+    scenarios = ["uniform", "skewed"] + (["file"] if args.ids else [])
+    result = dict(
+        device=torch.cuda.get_device_name(),
+        shape=dict(N=N, k=K, E=E, H=H, I=INTER),
+        weight_bytes=nbytes,
+        default_config=tm.DEFAULT_CONFIG,
+        floor=dict(ms=floor_ms, tbps=tbps(nbytes, floor_ms)),
+        results=bench_configs(args.configs.split(","), scenarios, args, gate_up, down, x, g),
+    )
+    result["crossover"] = bench_crossover(gate_up, down, g)
+    if args.sweep:
+        result["sweep"] = bench_sweep(gate_up, down, x, g)
+    if os.environ.get("OUT"):
+        path = Path(os.environ["OUT"]) / "moe_kernels.json"
+        path.write_text(json.dumps(result, indent=1))
+        print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,323 @@
+"""The MoE expert computation of a denoise step as two Triton kernels, replacing the two grouped GEMMs of
+`cuda.moe_experts_grouped` on CUDA. A denoise step routes only ~N*k/E = 16 (row, expert) pairs to each expert
+while every expert is touched, so the work is a batched GEMV bound by reading the 1.5 GB of expert weights;
+the grouped GEMMs read them at about half the H200's bandwidth. Here each program streams one weight slice
+once and applies it to the whole (small) segment of pairs of its expert.
+
+Design. The pairs are sorted by expert (stable sort of the flat ids) and the segment bounds found by
+`searchsorted`, sync-free. Kernel 1, grid (E * m_slots, cdiv(I, BLOCK_N)): a program of expert e loops over
+BLOCK_M-pair tiles of e's segment (none if it is empty; with m_slots > 1 the expert's programs take the tiles
+in turn), gathers the x rows inside the kernel, accumulates gate (rows nb*BLOCK_N.. of gate_up[e]) and up
+(rows I + nb*BLOCK_N..) in fp32 over H, rounds both to the weight dtype as the grouped GEMM's output is, and
+stores gelu_tanh(gate) * up (rounded like the eager bf16 ops) to `act` [N*k, I] in sorted order. Kernel 2,
+grid (E * m_slots, cdiv(H, BLOCK_N)): act @ down[e][cols].T, rounded to the weight dtype, times the routing
+weight in fp32, stored to `slots` [N*k, H] fp32 at the pair's ORIGINAL (row, j) index; the k slots of a row
+are summed in torch afterwards: deterministic (no atomics), and the same rounding sequence as the grouped
+path. H and I are compile-time constants (one compile per model shape). Tile sizes come from a fixed table
+(`CONFIGS`, chosen by `DEFAULT_CONFIG`), never autotuned at run time: the step is captured in a CUDA graph.
+`bench/moe_kernels.py` times the candidates.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch shape of one kernel: a program owns block_n output columns of one expert and walks its
+    segment block_m pairs at a time, block_k of the reduction dimension per step. m_slots programs share an
+    expert's column block, taking its M-tiles in turn: they run side by side, so a busy expert's weight
+    slice should come from HBM once and mostly from L2 for the others. swap_ab computes the transposed product (weights
+    as the MMA's M side, the pairs as its N side), the shape Hopper's wgmma wants."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    m_slots: int = 1
+    swap_ab: bool = False
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    gate_up: Tiles
+    down: Tiles
+
+
+# An expert with more pairs than block_m * m_slots walks its weight slice more than once, and with every SM
+# streaming its own slice the later walks mostly miss L2. At a denoise step's ~16 pairs per expert
+# (binomial, sd ~4) that is ~40% of the experts for 16 x 1 and almost none for 32 x 1 or 16 x 2; padded rows
+# cost masked (free) loads and idle MMA lanes only. "base" is the starting design. DEFAULT_CONFIG was chosen by
+# bench/moe_kernels.py on the H200 (bench/results/h200_moe.json): per layer, uniform routing, m32 and m32_s2
+# 0.44 ms (3.47 TB/s) against 0.55 for base and 0.67 for the grouped GEMMs; with skewed routing (max 229 pairs
+# on an expert, 68 experts empty, as trained routers do) m32_s2 0.37 ms against 0.45 for m32.
+CONFIGS: dict[str, MoeConfig] = {
+    "base": MoeConfig(Tiles(), Tiles()),
+    "m32": MoeConfig(Tiles(block_m=32, num_stages=3), Tiles(block_m=32)),
+    "m16_s2": MoeConfig(Tiles(m_slots=2), Tiles(m_slots=2)),
+    "m32_s2": MoeConfig(Tiles(block_m=32, m_slots=2, num_stages=3), Tiles(block_m=32, m_slots=2)),
+    "m32_swap": MoeConfig(Tiles(block_m=32, swap_ab=True, num_stages=3), Tiles(block_m=32, swap_ab=True)),
+    "m64_swap": MoeConfig(
+        Tiles(block_m=64, swap_ab=True, num_stages=3), Tiles(block_m=64, swap_ab=True, num_stages=3)
+    ),
+    "m32_n32": MoeConfig(Tiles(block_m=32, block_n=32), Tiles(block_m=32, block_n=32)),
+    "m32_k64": MoeConfig(Tiles(block_m=32, block_k=64), Tiles(block_m=32, block_k=64)),
+    "m32_w8": MoeConfig(
+        Tiles(block_m=32, num_warps=8, num_stages=3), Tiles(block_m=32, num_warps=8, num_stages=3)
+    ),
+}
+DEFAULT_CONFIG = "m32_s2"
+
+# The interpreter multiplies bf16 operands of tl.dot as their raw uint16 bits; under it the operands go to
+# the dot as fp32 (exact products, so the interpreter still checks the kernels' indexing and rounding).
+_UPCAST_DOT = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@triton.jit
+def _gelu_tanh(g):
+    # 0.5 * g * (1 + tanh(z)) written as g * sigmoid(2z): the same function without the cancellation at g << 0
+    z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    return g * tl.sigmoid(2.0 * z)
+
+
+@triton.jit
+def _mma(a, w, acc, SWAP_AB: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """acc += a [M, K] @ w [N, K].T, acc laid out [N, M] when SWAP_AB."""
+    if UPCAST_DOT:
+        a = a.to(tl.float32)
+        w = w.to(tl.float32)
+    return tl.dot(w, tl.trans(a), acc) if SWAP_AB else tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    gu_ptr,
+    act_ptr,
+    perm_ptr,
+    bounds_ptr,
+    TOP_K,
+    stride_xn,
+    stride_xh,
+    stride_ge,
+    stride_gr,
+    stride_gh,
+    stride_an,
+    stride_ai,
+    BLOCK_M: tl.constexpr,
+    M_SLOTS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    H: tl.constexpr,
+    INTER: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    e = tl.program_id(0) // M_SLOTS
+    start = tl.load(bounds_ptr + e)
+    end = tl.load(bounds_ptr + e + 1)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < INTER
+    ks = tl.arange(0, BLOCK_K)
+    w_gate = gu_ptr + e.to(tl.int64) * stride_ge + cols[:, None] * stride_gr + ks[None, :] * stride_gh
+    w_up = w_gate + INTER * stride_gr
+    wdt = gu_ptr.dtype.element_ty
+    acc_shape: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N)
+    m0 = start + (tl.program_id(0) % M_SLOTS) * BLOCK_M
+    while m0 < end:  # not range(start, end, ..): the interpreter cannot index with loaded scalars
+        pos = m0 + tl.arange(0, BLOCK_M)
+        row_ok = pos < end
+        rows = tl.load(perm_ptr + pos, mask=row_ok, other=0) // TOP_K
+        x_tile = x_ptr + rows[:, None] * stride_xn + ks[None, :] * stride_xh
+        acc_g = tl.zeros(acc_shape, dtype=tl.float32)
+        acc_u = tl.zeros(acc_shape, dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            if H % BLOCK_K == 0:
+                x_mask = row_ok[:, None]
+                w_mask = col_ok[:, None]
+            else:
+                k_ok = (k0 + ks) < H
+                x_mask = row_ok[:, None] & k_ok[None, :]
+                w_mask = col_ok[:, None] & k_ok[None, :]
+            xs = tl.load(x_tile + k0 * stride_xh, mask=x_mask, other=0.0).to(wdt)
+            wg = tl.load(w_gate + k0 * stride_gh, mask=w_mask, other=0.0)
+            wu = tl.load(w_up + k0 * stride_gh, mask=w_mask, other=0.0)
+            acc_g = _mma(xs, wg, acc_g, SWAP_AB, UPCAST_DOT)
+            acc_u = _mma(xs, wu, acc_u, SWAP_AB, UPCAST_DOT)
+        if SWAP_AB:
+            acc_g = tl.trans(acc_g)
+            acc_u = tl.trans(acc_u)
+        # round where the grouped path rounds: its GEMM output, the gelu, the product
+        gate = acc_g.to(wdt).to(tl.float32)
+        up = acc_u.to(wdt).to(tl.float32)
+        act = (_gelu_tanh(gate).to(wdt).to(tl.float32) * up).to(wdt)
+        dst = act_ptr + pos[:, None] * stride_an + cols[None, :] * stride_ai
+        tl.store(dst, act, mask=row_ok[:, None] & col_ok[None, :])
+        m0 += M_SLOTS * BLOCK_M
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr,
+    dn_ptr,
+    w_ptr,
+    perm_ptr,
+    bounds_ptr,
+    slots_ptr,
+    stride_an,
+    stride_ai,
+    stride_de,
+    stride_dh,
+    stride_di,
+    stride_sn,
+    stride_sh,
+    BLOCK_M: tl.constexpr,
+    M_SLOTS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    H: tl.constexpr,
+    INTER: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    e = tl.program_id(0) // M_SLOTS
+    start = tl.load(bounds_ptr + e)
+    end = tl.load(bounds_ptr + e + 1)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    ks = tl.arange(0, BLOCK_K)
+    w_tile = dn_ptr + e.to(tl.int64) * stride_de + cols[:, None] * stride_dh + ks[None, :] * stride_di
+    wdt = dn_ptr.dtype.element_ty
+    acc_shape: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N)
+    m0 = start + (tl.program_id(0) % M_SLOTS) * BLOCK_M
+    while m0 < end:  # not range(start, end, ..): the interpreter cannot index with loaded scalars
+        pos = m0 + tl.arange(0, BLOCK_M)
+        row_ok = pos < end
+        a_tile = act_ptr + pos[:, None] * stride_an + ks[None, :] * stride_ai
+        acc = tl.zeros(acc_shape, dtype=tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            if INTER % BLOCK_K == 0:
+                a_mask = row_ok[:, None]
+                w_mask = col_ok[:, None]
+            else:
+                k_ok = (k0 + ks) < INTER
+                a_mask = row_ok[:, None] & k_ok[None, :]
+                w_mask = col_ok[:, None] & k_ok[None, :]
+            a = tl.load(a_tile + k0 * stride_ai, mask=a_mask, other=0.0)
+            w = tl.load(w_tile + k0 * stride_di, mask=w_mask, other=0.0)
+            acc = _mma(a, w, acc, SWAP_AB, UPCAST_DOT)
+        if SWAP_AB:
+            acc = tl.trans(acc)
+        src = tl.load(perm_ptr + pos, mask=row_ok, other=0)  # the pair's index in the flat [N*k] order
+        route_w = tl.load(w_ptr + src, mask=row_ok, other=0.0).to(tl.float32)
+        y = acc.to(wdt).to(tl.float32) * route_w[:, None]
+        dst = slots_ptr + src[:, None] * stride_sn + cols[None, :] * stride_sh
+        tl.store(dst, y, mask=row_ok[:, None] & col_ok[None, :])
+        m0 += M_SLOTS * BLOCK_M
+
+
+def sort_pairs(ids: torch.Tensor, n_exp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(perm, bounds): perm sorts the flat (row, j) pairs by expert; expert e owns sorted positions
+    bounds[e]:bounds[e+1] (int32, E+1 of them). No host sync."""
+    sorted_ids, perm = torch.sort(ids.reshape(-1), stable=True)
+    experts = torch.arange(n_exp + 1, device=ids.device, dtype=sorted_ids.dtype)
+    return perm, torch.searchsorted(sorted_ids, experts, out_int32=True)
+
+
+def gate_up_act(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    perm: torch.Tensor,
+    bounds: torch.Tensor,
+    top_k: int,
+    tiles: Tiles,
+) -> torch.Tensor:
+    """Kernel 1: act [N*k, I] (weight dtype, sorted pair order) = gelu_tanh(gate) * up."""
+    n_exp, two_i, h = gate_up.shape
+    inter = two_i // 2
+    act = torch.empty(perm.shape[0], inter, device=x.device, dtype=gate_up.dtype)
+    grid = (n_exp * tiles.m_slots, triton.cdiv(inter, tiles.block_n))
+    _gate_up_kernel[grid](
+        x,
+        gate_up,
+        act,
+        perm,
+        bounds,
+        top_k,
+        *x.stride(),
+        *gate_up.stride(),
+        *act.stride(),
+        BLOCK_M=tiles.block_m,
+        M_SLOTS=tiles.m_slots,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        H=h,
+        INTER=inter,
+        SWAP_AB=tiles.swap_ab,
+        UPCAST_DOT=_UPCAST_DOT,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return act
+
+
+def down_weighted(
+    act: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    perm: torch.Tensor,
+    bounds: torch.Tensor,
+    tiles: Tiles,
+) -> torch.Tensor:
+    """Kernel 2: slots [N*k, H] fp32 in the original (row, j) order = weight * (act @ down[e].T)."""
+    n_exp, h, inter = down.shape
+    flat_w = weights.reshape(-1).float()
+    slots = torch.empty(perm.shape[0], h, device=act.device, dtype=torch.float32)
+    grid = (n_exp * tiles.m_slots, triton.cdiv(h, tiles.block_n))
+    _down_kernel[grid](
+        act,
+        down,
+        flat_w,
+        perm,
+        bounds,
+        slots,
+        *act.stride(),
+        *down.stride(),
+        *slots.stride(),
+        BLOCK_M=tiles.block_m,
+        M_SLOTS=tiles.m_slots,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        H=h,
+        INTER=inter,
+        SWAP_AB=tiles.swap_ab,
+        UPCAST_DOT=_UPCAST_DOT,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return slots
+
+
+def moe_experts_triton(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """cuda.moe_experts as two Triton kernels. x [N, H]; weights [N, k]; ids [N, k]; gate_up [E, 2I, H];
+    down [E, H, I] -> [N, H] in x's dtype. `config` overrides CONFIGS[DEFAULT_CONFIG] (benchmarks)."""
+    cfg = config or CONFIGS[DEFAULT_CONFIG]
+    n, k = ids.shape
+    perm, bounds = sort_pairs(ids, gate_up.shape[0])
+    act = gate_up_act(x, gate_up, perm, bounds, k, cfg.gate_up)
+    slots = down_weighted(act, down, weights, perm, bounds, cfg.down)
+    return slots.view(n, k, -1).sum(1).to(x.dtype)
