@@ -49,6 +49,15 @@ def test_attention_nomask_matches_reference(hd, hkv, s):
     assert rel(fast.attention_nomask(q, k, v), want) < 1e-2
 
 
+def test_softmax_to_bf16_matches_torch():
+    scores = torch.randn(2, 2048, 33024, device=DEV) * 6  # the shape of a full layer's scores at 32k
+    want = torch.softmax(scores.double(), dim=-1)
+    got = fast.softmax_to(scores, torch.bfloat16)
+    assert not fast._softmax_failed  # the Triton pass ran, not the torch fallback
+    assert got.dtype == torch.bfloat16 and got.shape == scores.shape
+    assert bool(((got.double() - want).abs() <= want * (2**-8 + 1e-5) + 1e-30).all())  # half a bf16 ulp
+
+
 def test_attention_window_and_causal_past_match_reference():
     t, past, w = 4096, 1023, 1024
     for hd, hkv, sliding in [(256, 8, True), (512, 2, False)]:

@@ -8,6 +8,7 @@ graph. The functions also run on CPU (slowly), which is how they are exercised w
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
 
 import torch
@@ -29,19 +30,16 @@ _triton_failed = False
 
 
 @functools.cache
-def _triton_module():
-    """kernels.triton_moe, or None without triton; imported on the first CUDA call, not at startup."""
+def _triton_kernels(name: str):
+    """diffgemma.kernels.<name> (a Triton module), or None without a usable triton; imported on first use, not
+    at startup."""
     try:
-        from diffgemma.kernels import triton_moe
+        return importlib.import_module(f"diffgemma.kernels.{name}")
     except ImportError:
         return None
-    except Exception as e:  # noqa: BLE001 - a broken or too old triton: the grouped GEMMs, loudly
-        print(
-            f"diffgemma: triton unusable ({type(e).__name__}: {e}); grouped GEMMs for the MoE",
-            file=sys.stderr,
-        )
+    except Exception as e:  # noqa: BLE001 - a broken or too old triton: the torch path, loudly
+        print(f"diffgemma: triton unusable ({type(e).__name__}: {e}); torch kernels instead", file=sys.stderr)
         return None
-    return triton_moe
 
 
 def triton_moe_for(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor):
@@ -50,7 +48,7 @@ def triton_moe_for(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor):
     few_pairs = ids.numel() <= _TRITON_MAX_PAIRS_PER_EXPERT * gate_up.shape[0]
     if _triton_failed or not (x.is_cuda and few_pairs and gate_up.dtype in (torch.bfloat16, torch.float16)):
         return None
-    return _triton_module()
+    return _triton_kernels("triton_moe")
 
 
 def triton_failed(e: Exception) -> None:
@@ -117,10 +115,28 @@ def attention_nomask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     qf = q.reshape(1, hkv, (h // hkv) * t, d)
     if d > 256 and q.is_cuda:
         scores = torch.bmm(qf[0], k[0].transpose(1, 2), out_dtype=torch.float32)  # [Hkv, g*T, S]
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        return torch.bmm(probs, v[0]).reshape(1, h, t, d)
+        return torch.bmm(softmax_to(scores, v.dtype), v[0]).reshape(1, h, t, d)
     out = F.scaled_dot_product_attention(qf, k, v, scale=1.0)
     return out.reshape(1, h, t, d)
+
+
+_softmax_failed = False
+
+
+def softmax_to(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """softmax(scores fp32, dim=-1) rounded to dtype: one Triton pass (kernels/triton_softmax.py) on CUDA where
+    triton works, else torch."""
+    global _softmax_failed
+    tk = _triton_kernels("triton_softmax") if scores.is_cuda and not _softmax_failed else None
+    if tk is not None:
+        try:
+            return tk.softmax_rows(scores, dtype)
+        except Exception as e:  # noqa: BLE001 - any failure: torch from then on, loudly
+            _softmax_failed = True
+            print(
+                f"diffgemma: Triton softmax failed ({type(e).__name__}: {e}); torch softmax", file=sys.stderr
+            )
+    return torch.softmax(scores, dim=-1).to(dtype)
 
 
 def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:

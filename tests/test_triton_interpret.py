@@ -1,5 +1,6 @@
-"""The Triton MoE kernels (kernels/triton_moe.py) run by Triton's CPU interpreter at a small shape, against
-torch_ref in fp32 and against the grouped-GEMM path in bf16. Skipped without triton (CPU CI has none).
+"""The Triton kernels run by Triton's CPU interpreter at small shapes: the MoE kernels (kernels/triton_moe.py)
+against torch_ref in fp32 and the grouped-GEMM path in bf16, the row softmax (kernels/triton_softmax.py)
+against torch.softmax. Skipped without triton.
 
 The interpreter has to be on before triton wraps any kernel in the process, so the check runs in a
 subprocess with TRITON_INTERPRET=1: nothing leaks into this pytest process or its other tests."""
@@ -23,7 +24,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def _check() -> None:
+def _check_moe() -> None:
     """Runs in the subprocess. Expert 0 gets no pair, expert 1 one pair per row (40: several M-tiles and,
     with m_slots=2, several per slot), experts 2-5 the rest; x is a strided view."""
     from diffgemma.kernels import cuda
@@ -64,9 +65,27 @@ def _check() -> None:
         assert _rel(got, grouped) < 4e-2, (name, _rel(got, grouped))
 
 
-def test_triton_moe_under_interpreter():
+def _check_softmax() -> None:
+    """Rows longer than one block and not a multiple of it, a wide range of scores, fp32 and bf16 out."""
+    from diffgemma.kernels import triton_softmax as ts
+
+    g = torch.Generator().manual_seed(0)
+    for n_cols in (1, 700, ts.BLOCK, 2 * ts.BLOCK + 5):
+        x = torch.randn(3, 2, n_cols, generator=g) * 8
+        want = torch.softmax(x.double(), dim=-1)
+        got = ts.softmax_rows(x, torch.float32)
+        assert got.shape == x.shape and float((got.double() - want).abs().max()) < 1e-6, n_cols
+        # the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest): within one bf16 ulp
+        got_bf = ts.softmax_rows(x, torch.bfloat16).double()
+        assert got_bf.shape == x.shape and bool(((got_bf - want).abs() <= want * 2**-7 + 1e-30).all()), n_cols
+    with pytest.raises(ValueError, match="fp32 rows"):
+        ts.softmax_rows(torch.zeros(2, 4, dtype=torch.float64), torch.float32)
+
+
+@pytest.mark.parametrize("check", ["_check_moe", "_check_softmax"])
+def test_triton_kernels_under_interpreter(check: str):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = "from tests.test_triton_moe_interpret import _check; _check()"
+    code = f"from tests.test_triton_interpret import {check}; {check}()"
     r = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
