@@ -231,6 +231,22 @@ def sort_pairs(ids: torch.Tensor, n_exp: int) -> tuple[torch.Tensor, torch.Tenso
     return perm, torch.searchsorted(sorted_ids, experts, out_int32=True)
 
 
+def _launch_options(tiles: Tiles, h: int, inter: int) -> dict:
+    """The compile-time constants and launch shape both kernels take."""
+    return dict(
+        BLOCK_M=tiles.block_m,
+        M_SLOTS=tiles.m_slots,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        H=h,
+        INTER=inter,
+        SWAP_AB=tiles.swap_ab,
+        UPCAST_DOT=_UPCAST_DOT,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+
+
 def gate_up_act(
     x: torch.Tensor,
     gate_up: torch.Tensor,
@@ -254,16 +270,7 @@ def gate_up_act(
         *x.stride(),
         *gate_up.stride(),
         *act.stride(),
-        BLOCK_M=tiles.block_m,
-        M_SLOTS=tiles.m_slots,
-        BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
-        H=h,
-        INTER=inter,
-        SWAP_AB=tiles.swap_ab,
-        UPCAST_DOT=_UPCAST_DOT,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
+        **_launch_options(tiles, h, inter),
     )
     return act
 
@@ -291,16 +298,7 @@ def down_weighted(
         *act.stride(),
         *down.stride(),
         *slots.stride(),
-        BLOCK_M=tiles.block_m,
-        M_SLOTS=tiles.m_slots,
-        BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
-        H=h,
-        INTER=inter,
-        SWAP_AB=tiles.swap_ab,
-        UPCAST_DOT=_UPCAST_DOT,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
+        **_launch_options(tiles, h, inter),
     )
     return slots
 
