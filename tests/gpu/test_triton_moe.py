@@ -86,7 +86,7 @@ def test_cuda_moe_experts_dispatches_to_triton():
     gate_up, down = _weights(0)
     x, w, ids = _inputs(3)
     got = fast.moe_experts(x, w, ids, gate_up, down)
-    assert not fast._triton_failed
+    assert "triton_moe" not in fast.triton_failed_kernels
     assert torch.equal(got, tm.moe_experts_triton(x, w, ids, gate_up, down))
 
 

@@ -25,14 +25,12 @@ _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 # for a denoise step (~16 pairs per expert), wrong for a prefill chunk (hundreds), where the grouped GEMMs
 # win. bench/moe_kernels.py measures the crossover.
 _TRITON_MAX_PAIRS_PER_EXPERT = 32
-# Set once a Triton call has failed (a compile error, say): the grouped GEMMs serve from then on.
-_triton_failed = False
+# Triton kernel modules whose call has failed once (a compile error, say): their torch twins serve from then on.
+triton_failed_kernels: set[str] = set()
 
 
 @functools.cache
-def _triton_kernels(name: str):
-    """diffgemma.kernels.<name> (a Triton module), or None without a usable triton; imported on first use, not
-    at startup."""
+def _import_triton_kernels(name: str):
     try:
         return importlib.import_module(f"diffgemma.kernels.{name}")
     except ImportError:
@@ -42,21 +40,26 @@ def _triton_kernels(name: str):
         return None
 
 
+def _triton_kernels(name: str):
+    """diffgemma.kernels.<name> (a Triton module), or None without a usable triton or after a failed call;
+    imported on first use, not at startup."""
+    return None if name in triton_failed_kernels else _import_triton_kernels(name)
+
+
+def triton_failed(name: str, e: Exception) -> None:
+    """Record a failed call into kernels.<name>: its torch twin serves from then on, loudly."""
+    triton_failed_kernels.add(name)
+    msg = str(e).splitlines()[0] if str(e) else ""
+    print(f"diffgemma: Triton {name} failed ({type(e).__name__}: {msg}); torch path instead", file=sys.stderr)
+
+
 def triton_moe_for(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor):
     """kernels.triton_moe when its kernels suit this call (CUDA, 16-bit weights, few pairs per expert and no
     earlier failure), else None."""
     few_pairs = ids.numel() <= _TRITON_MAX_PAIRS_PER_EXPERT * gate_up.shape[0]
-    if _triton_failed or not (x.is_cuda and few_pairs and gate_up.dtype in (torch.bfloat16, torch.float16)):
+    if not (x.is_cuda and few_pairs and gate_up.dtype in (torch.bfloat16, torch.float16)):
         return None
     return _triton_kernels("triton_moe")
-
-
-def triton_failed(e: Exception) -> None:
-    """Record a failed Triton MoE call: the grouped GEMMs serve from then on."""
-    global _triton_failed
-    _triton_failed = True
-    msg = str(e).splitlines()[0] if str(e) else ""
-    print(f"diffgemma: Triton MoE kernels failed ({type(e).__name__}: {msg}); grouped GEMMs", file=sys.stderr)
 
 
 def moe_experts(
@@ -70,7 +73,7 @@ def moe_experts(
         try:
             return tm.moe_experts_triton(x, weights, ids, gate_up, down)
         except Exception as e:  # noqa: BLE001 - any failure: fall back for good, loudly
-            triton_failed(e)
+            triton_failed("triton_moe", e)
     return moe_experts_grouped(x, weights, ids, gate_up, down)
 
 
@@ -120,22 +123,15 @@ def attention_nomask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return out.reshape(1, h, t, d)
 
 
-_softmax_failed = False
-
-
 def softmax_to(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """softmax(scores fp32, dim=-1) rounded to dtype: one Triton pass (kernels/triton_softmax.py) on CUDA where
     triton works, else torch."""
-    global _softmax_failed
-    tk = _triton_kernels("triton_softmax") if scores.is_cuda and not _softmax_failed else None
+    tk = _triton_kernels("triton_softmax") if scores.is_cuda else None
     if tk is not None:
         try:
             return tk.softmax_rows(scores, dtype)
         except Exception as e:  # noqa: BLE001 - any failure: torch from then on, loudly
-            _softmax_failed = True
-            print(
-                f"diffgemma: Triton softmax failed ({type(e).__name__}: {e}); torch softmax", file=sys.stderr
-            )
+            triton_failed("triton_softmax", e)
     return torch.softmax(scores, dim=-1).to(dtype)
 
 

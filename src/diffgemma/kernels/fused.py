@@ -153,7 +153,7 @@ def moe_layer_ffn(h, attn, p: dict, eps: float, top_k: int, regions: dict) -> to
             act = tm.gate_up_act(x2, gate_up, perm, bounds, top_k, cfg.gate_up)
             y = tm.down_weighted(act, down, weights, perm, bounds, cfg.down)
         except Exception as e:  # noqa: BLE001 - any failure: the grouped GEMMs from then on, loudly
-            cuda.triton_failed(e)
+            cuda.triton_failed("triton_moe", e)
             y = None
     weighted = y is not None
     if y is None:
