@@ -258,7 +258,11 @@ def load_train_state(out: Path, model: DiffusionGemma, opt: torch.optim.Optimize
             n = names[id(p)]
             if f"exp_avg/{n}" in tensors:
                 opt.state[p] = {
-                    "step": torch.tensor(info.get("adam_step", info["step"]), dtype=torch.float32),
+                    "step": torch.tensor(
+                        info.get("adam_step", info["step"]),
+                        dtype=torch.float32,
+                        device=p.device if group.get("capturable") else "cpu",
+                    ),
                     "exp_avg": tensors[f"exp_avg/{n}"].to(p.device),
                     "exp_avg_sq": tensors[f"exp_avg_sq/{n}"].to(p.device),
                 }

@@ -35,7 +35,6 @@ def train_main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--vocab-size", type=int, default=d.vocab_size)
     ap.add_argument("--sc-prob", type=float, default=d.sc_prob)
     ap.add_argument("--pad-weight", type=float, default=d.pad_weight)
-    ap.add_argument("--microbatches", type=int, default=d.microbatches)
     ap.add_argument("--time-limit", type=float, default=0.0, help="stop cleanly after this many seconds")
     ap.add_argument("--log-every", type=int, default=d.log_every)
     ap.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
@@ -59,7 +58,6 @@ def train_main(argv: list[str] | None = None) -> dict:
         vocab_size=a.vocab_size,
         sc_prob=a.sc_prob,
         pad_weight=a.pad_weight,
-        microbatches=a.microbatches,
         time_limit=a.time_limit,
         log_every=a.log_every,
         ckpt_every=a.ckpt_every,

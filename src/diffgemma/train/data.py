@@ -3,7 +3,8 @@
 Seven tasks, each rendered with `render_gemma4` (prompt) plus the exact reply text the model must write:
 
     arith        "What is 17 + 25?"                      -> "17 + 25 = 42<turn|>"
-    retrieval    ~25-40 "key: ddd" lines (longer than the sliding window), "What is the code for KEY?" -> "ddd<turn|>"
+    retrieval    30-48 "- KEY: WORD" lines (longer than the sliding window), "What is the code word for KEY?"
+                 -> "The code word for KEY is WORD.<turn|>"
     long         "Count from 37 to 55."                  -> "37, 38, ..., 55<turn|>" (2-4 canvas blocks)
     tool_call    a request that needs one of the declared tools -> '<|tool_call>call:NAME{...}<tool_call|><|tool_response>'
     tool_answer  the same after the tool result          -> a sentence built from the result + "<turn|>"
@@ -27,17 +28,17 @@ from diffgemma.chat.template import render_gemma4
 from diffgemma.chat.toolcall import format_call
 
 TASKS = ("arith", "retrieval", "long", "tool_call", "tool_answer", "think", "yesno")
-# Share of each task in a training batch. The three tasks with accuracy targets (arithmetic, retrieval, tool
-# calls) get most of it: the first 1365-step run learned the formats of every task but left arithmetic and
-# retrieval near 0% exact match while the easier tasks were at 55-80%.
+# Share of each task in a training batch. The two hard targets (arithmetic, retrieval) get most of it: runs
+# with arith 0.28 / tool_call 0.16 reached 100% on tool calls and answers but 50% on arithmetic. Arithmetic
+# prompts are also the cheapest (~26 tokens against ~250 for retrieval and tool prompts).
 TASK_WEIGHTS = {
-    "arith": 0.28,
+    "arith": 0.36,
     "retrieval": 0.30,
-    "long": 0.06,
-    "tool_call": 0.16,
-    "tool_answer": 0.07,
+    "long": 0.05,
+    "tool_call": 0.10,
+    "tool_answer": 0.05,
     "think": 0.07,
-    "yesno": 0.06,
+    "yesno": 0.07,
 }
 HELDOUT_BUCKETS = 10  # 1 in 10 identities is held out
 TURN_END = "<turn|>"
@@ -169,6 +170,7 @@ CITIES = [
     "Bogota",
     "Nairobi",
 ]
+CODE_WORDS = FRUITS + CITIES  # retrieval values: disjoint from the keys (animals and objects)
 CONDITIONS = ("sunny", "cloudy", "rainy", "windy", "snowy", "foggy")
 CURRENCIES = ("USD", "EUR", "GBP", "JPY", "CHF", "CAD", "AUD", "SEK")
 TIMER_LABELS = ("tea", "pasta", "eggs", "laundry", "break", "workout", "bread", "rice", "meeting", "nap")
@@ -282,15 +284,27 @@ def _arith(rng: random.Random) -> Example:
 
 
 def _retrieval(rng: random.Random) -> Example:
-    n = rng.randint(24, 40)
-    keys = rng.sample(ANIMALS + FRUITS + OBJECTS, n)
-    vals = [rng.randint(100, 999) for _ in keys]
-    lines = "\n".join(f"{k}: {v}" for k, v in zip(keys, vals, strict=True))
+    # Each key and value is one word with its leading space, so the list, the question and the answer spell
+    # them with the same tokens: the model must find the line, not also learn that "dog" and " dog" are one
+    # word. (A first design, "dog: 744" lines answered "744", stayed at 0% after 15 minutes of training.)
+    n = rng.randint(30, 48)
+    keys = rng.sample(ANIMALS + OBJECTS, n)
+    vals = [rng.choice(CODE_WORDS) for _ in keys]
+    lines = "\n".join(f"- {k}: {v}" for k, v in zip(keys, vals, strict=True))
     i = rng.randrange(n)
-    q = rng.choice(("What is the code for {k}?", "Which code belongs to {k}?", "Tell me the code for {k}."))
-    user = f"Here is a list of codes.\n{lines}\n{q.format(k=keys[i])}"
+    q = rng.choice(
+        (
+            "What is the code word for {k}?",
+            "Which code word belongs to {k}?",
+            "Tell me the code word for {k}.",
+        )
+    )
+    user = f"Here is a list of code words.\n{lines}\n{q.format(k=keys[i])}"
     prompt = render_gemma4(_messages(rng, user))
-    return Example("retrieval", prompt, f"{vals[i]}{TURN_END}", prompt, {"key": keys[i], "index": i, "n": n})
+    target = f"The code word for {keys[i]} is {vals[i]}.{TURN_END}"
+    return Example(
+        "retrieval", prompt, target, prompt, {"key": keys[i], "value": vals[i], "index": i, "n": n}
+    )
 
 
 def _long(rng: random.Random) -> Example:

@@ -3,7 +3,8 @@
 Per task: exact-match accuracy of the reply (the text before the stop token), a task-specific check
 (arithmetic: the result appears; tool calls: the call parses in the tool-call grammar with the expected name and
 arguments), the share of replies that ended on their expected stop token and on `<turn|>`, and the mean number
-of denoising steps per block.
+of denoising steps per block. Retrieval also reports its exact match on the prompts whose asked line lies beyond
+the sliding window (only the full-attention layers can reach it).
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ def check(ex: data.Example, text: str) -> tuple[bool, bool]:
             return exact, False
         return exact, name == ex.meta["name"] and args == ex.meta["arguments"]
     return exact, exact
+
+
+def key_distance(ex: data.Example, tok: Tokenizer) -> int:
+    """Tokens from the asked line of a retrieval prompt to the end of the prompt."""
+    cut = ex.prompt.index(f"- {ex.meta['key']}:")
+    full = tok.encode(ex.prompt, add_special_tokens=False).ids
+    return len(full) - len(tok.encode(ex.prompt[:cut], add_special_tokens=False).ids)
 
 
 def evaluate(
@@ -76,6 +84,9 @@ def evaluate(
         r["steps"] += sum(out.block_steps)
         r["blocks"] += len(out.block_steps)
         r["s"] += dt
+        if ex.task == "retrieval" and key_distance(ex, tok) > eng.model.cfg.sliding_window:
+            r["far_n"] = r.get("far_n", 0) + 1
+            r["far_exact"] = r.get("far_exact", 0) + exact
         if len(samples) < 400:
             samples.append(
                 {"task": ex.task, "expected": ex.answer, "got": text, "exact": exact, "stop": out.stop_token}
@@ -92,6 +103,8 @@ def evaluate(
             "mean_blocks": r["blocks"] / r["n"],
             "mean_seconds": r["s"] / r["n"],
         }
+        if "far_n" in r:
+            rows[task]["beyond_window"] = {"n": r["far_n"], "exact_match": r["far_exact"] / r["far_n"]}
     tot = {
         k: sum(r[k] for r in per_task.values())
         for k in ("n", "exact", "stop_ok", "turn_end", "steps", "blocks")
@@ -125,6 +138,9 @@ def format_table(result: dict[str, Any]) -> str:
             f"{r['ended_on_expected_stop']:>8.1%} {r['ended_on_turn_end']:>8.1%} "
             f"{r['mean_steps_per_block']:>9.2f} {r['mean_seconds']:>8.3f}"
         )
+        if "beyond_window" in r:
+            far = r["beyond_window"]
+            lines.append(f"{'  beyond win':<12} {far['n']:>4} {far['exact_match']:>7.1%}")
     o = result["overall"]
     lines.append("-" * len(head))
     lines.append(
