@@ -189,9 +189,12 @@ def attention_causal_past(
 ) -> torch.Tensor:
     """Full-layer prefill chunk: every query sees all past keys (no mask) and its chunk causally.
 
-    Two mask-free kernels merged by their log-sum-exps: the past part with GQA folded into the query
-    length, the chunk part causal with its (small) K/V expanded to the query heads."""
+    d = 512 on CUDA in 16 bits (the real full layers): `attention_causal_scores`. Otherwise two mask-free
+    kernels merged by their log-sum-exps: the past part with GQA folded into the query length, the chunk
+    part causal with its (small) K/V expanded to the query heads."""
     _, h, t, d = q.shape
+    if d > 256 and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        return attention_causal_scores(q, past_k, past_v, k, v)
     ch, lse_c = _sdpa_lse(q, _expand_kv(k, h), _expand_kv(v, h), True)
     if past_k.shape[2] == 0:
         return ch
@@ -201,6 +204,59 @@ def attention_causal_past(
     pa, lse_p = pa.reshape(1, h, t, d), lse_p.reshape(1, h, t)
     w = torch.sigmoid(lse_p - lse_c)[..., None]  # share of the past in the merged softmax
     return (pa.float() * w + ch.float() * (1 - w)).to(q.dtype)
+
+
+# The fp32 scores of one query block of `attention_causal_scores` stay under this (S can be 128k keys).
+SCORE_BYTES = 2 << 30
+# Blocks also skip the chunk's masked upper triangle: a 4096 chunk in blocks of 1024 computes 5/8 of its own
+# scores, with GEMMs still g * 1024 = 8192 rows tall.
+MAX_QUERY_BLOCK = 1024
+
+
+def _scores_fp32(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q [B, M, d] @ k [B, N, d]^T in fp32: 16-bit products with fp32 accumulation on CUDA (no rounded
+    scores in between), an fp32 GEMM elsewhere."""
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        return torch.bmm(q, k.transpose(1, 2), out_dtype=torch.float32)
+    return torch.bmm(q.float(), k.float().transpose(1, 2))
+
+
+def attention_causal_scores(
+    q: torch.Tensor,
+    past_k: torch.Tensor,
+    past_v: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block: int | None = None,
+) -> torch.Tensor:
+    """attention_causal_past with the scores materialized, as attention_nomask does for d = 512 (where the
+    memory-efficient SDPA kernel took 2.8 ms per call on an H200 for a 4k chunk): per block of queries, an fp32
+    score GEMM over the past and the chunk's keys up to the block's end, -inf above the diagonal, a softmax
+    to the value dtype, a P @ V GEMM. GQA is folded into the rows ([Hkv, g*block]), so each KV head is read
+    once per block. q [1, H, T, d], past_k/v [1, Hkv, P, d], k/v [1, Hkv, T, d]; scale 1.
+
+    `block` (queries per block) defaults to MAX_QUERY_BLOCK, or fewer to keep a block's scores under
+    SCORE_BYTES."""
+    _, h, t, d = q.shape
+    hkv, p = k.shape[1], past_k.shape[2]
+    g = h // hkv
+    keys = torch.cat([past_k, k], dim=2)[0]  # [Hkv, P+T, d]
+    vals = torch.cat([past_v, v], dim=2)[0]
+    if block is None:
+        fit = SCORE_BYTES // (4 * h * (p + t))
+        block = min(t, MAX_QUERY_BLOCK, max(64, fit // 64 * 64))
+    q4 = q.reshape(hkv, g, t, d)
+    out = torch.empty(hkv, g, t, d, device=q.device, dtype=v.dtype)
+    for s in range(0, t, block):
+        e = min(t, s + block)
+        n = e - s
+        scores = _scores_fp32(q4[:, :, s:e].reshape(hkv, g * n, d), keys[:, : p + e])  # [Hkv, g*n, P+e]
+        # keys past the block's start are the chunk's own: query s+i sees chunk key s+j only for j <= i
+        above = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)
+        scores.view(hkv, g, n, p + e)[..., p + s :].masked_fill_(above, float("-inf"))
+        probs = softmax_to(scores, v.dtype)
+        out[:, :, s:e] = torch.bmm(probs, vals[:, : p + e]).view(hkv, g, n, d)
+    return out.view(1, h, t, d)
 
 
 # -- CUDA graph for the denoise step -------------------------------------------------------------------

@@ -1,16 +1,18 @@
-"""Fused regions of the denoise layer for the CUDA fast path: the small ops between the library kernels
-(fp32 rms_norm casts and reductions, RoPE, residuals, routing, the MoE gather/scatter) written once in plain
-PyTorch from `torch_ref`'s ops and handed to `torch.compile` (inductor), which fuses each region into a few
-Triton kernels. GEMMs inside a region stay cuBLAS (inductor's extern kernels); the grouped expert GEMMs are
-called between regions, eagerly.
+"""Fused regions of a layer for the CUDA fast path (denoise step and prefill chunks): the small ops between
+the library kernels (fp32 rms_norm casts and reductions, RoPE, residuals, routing, the MoE gather/scatter)
+written once in plain PyTorch from `torch_ref`'s ops and handed to `torch.compile` (inductor), which fuses
+each region into a few Triton kernels. GEMMs inside a region stay cuBLAS (inductor's extern kernels); the
+grouped expert GEMMs are called between regions, eagerly.
 
 Every region is pinned to its eager self (the same function, not compiled) by tests/gpu/test_kernels.py, and
 `Fused` falls back to the eager function for good if compilation fails, so the fast path never breaks on it.
 All regions are free of host syncs and data-dependent shapes: they are captured in the denoise CUDA graph.
+The prefill runs the same functions from a second set of `Fused`, compiled with a symbolic token count.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 
@@ -21,6 +23,7 @@ from diffgemma.kernels import cuda
 from diffgemma.kernels import torch_ref as ref
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+_HAS_ISOLATE = "isolate_recompiles" in inspect.signature(torch.compile).parameters  # newer torch
 
 
 # -- the regions (plain PyTorch; `Fused` compiles them) ------------------------------------------------------
@@ -39,14 +42,27 @@ def qkv_post(
     inv_freq: torch.Tensor,
     positions: torch.Tensor,
     eps: float,
+    stacked: bool = False,
 ):
-    """Q/K norms + RoPE, V's rms_norm_no_scale (V = k_raw on full layers), to [1, heads, T, d]."""
+    """Q/K norms + RoPE, V's rms_norm_no_scale (V = k_raw on full layers), to [1, heads, T, d].
+
+    Q comes out contiguous, so that attention's GQA reshape is a view. `stacked`: K and V as one contiguous
+    [2, kv_heads, T, d] (the cache stores it with one copy) in place of two. q, k_raw and v may be strided
+    views of one [T, (heads + 2 kv_heads) * d] GEMM output."""
     cos, sin = ref.rope_cos_sin(inv_freq, positions, q.dtype)
     v = k_raw if v is None else v
     q = ref.apply_rope(ref.rms_norm(q, q_norm, eps), cos, sin)
     k = ref.apply_rope(ref.rms_norm(k_raw, k_norm, eps), cos, sin)
     v = ref.rms_norm(v, None, eps)
-    return q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    q = q.transpose(0, 1).contiguous()[None]
+    if stacked:
+        return q, torch.stack([k.transpose(0, 1), v.transpose(0, 1)])
+    return q, k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+
+
+def gelu_mul(gu: torch.Tensor) -> torch.Tensor:
+    inter = gu.shape[-1] // 2
+    return ref.gelu_tanh(gu[:, :inter]) * gu[:, inter:]
 
 
 def pre_ffn(
@@ -56,8 +72,7 @@ def pre_ffn(
     w_pre_ff: torch.Tensor,
     w_pre_ff2: torch.Tensor,
     w_post_ff1: torch.Tensor,
-    mlp_gate: torch.Tensor,
-    mlp_up: torch.Tensor,
+    mlp_gate_up: torch.Tensor,
     mlp_down: torch.Tensor,
     router_proj: torch.Tensor,
     router_scale: torch.Tensor,
@@ -65,14 +80,15 @@ def pre_ffn(
     eps: float,
     top_k: int,
 ):
-    """Attention residual, the dense MLP (normed), routing, and the expert-sorted gather of the MoE input.
+    """Attention residual, the dense MLP (normed; gate and up as one GEMM on [gate; up]), routing, and the
+    expert-sorted gather of the MoE input.
 
     Returns h (after the attention residual), dense (post_feedforward_layernorm_1'd), x2 [N, H] (the experts'
     input), bounds (int32 [E + 1]: expert e owns sorted pairs bounds[e]:bounds[e+1]), perm (the stable sort
     of the flat (row, j) pairs by expert), weights [N, k] fp32."""
     h = h + ref.rms_norm(attn, w_post_attn, eps)
     x = ref.rms_norm(h, w_pre_ff, eps)
-    dense = F.linear(ref.gelu_tanh(F.linear(x, mlp_gate)) * F.linear(x, mlp_up), mlp_down)
+    dense = F.linear(gelu_mul(F.linear(x, mlp_gate_up)), mlp_down)
     dense = ref.rms_norm(dense, w_post_ff1, eps)
     weights, ids = ref.route(h, router_proj, router_scale, per_expert_scale, top_k, eps)
     x2 = ref.rms_norm(h, w_pre_ff2, eps)
@@ -92,11 +108,6 @@ def pre_ffn(
     return h, dense, x2, bounds, perm, weights
 
 
-def gelu_mul(gu: torch.Tensor) -> torch.Tensor:
-    inter = gu.shape[-1] // 2
-    return ref.gelu_tanh(gu[:, :inter]) * gu[:, inter:]
-
-
 def post_ffn(
     h: torch.Tensor,
     dense: torch.Tensor,
@@ -106,13 +117,15 @@ def post_ffn(
     w_post_ff2: torch.Tensor,
     w_post_ff: torch.Tensor,
     scalar: torch.Tensor,
+    w_next: torch.Tensor | None,
     eps: float,
     weighted: bool,
-) -> torch.Tensor:
-    """The weighted sum per row of the expert outputs (fp32), the last three norms, residual, layer scalar.
+):
+    """The weighted sum per row of the expert outputs (fp32), the last three norms, residual, layer scalar;
+    and with `w_next` (the next layer's input_layernorm) that layer's normed input too, in the same kernels.
 
     y is the grouped GEMMs' output in sorted pair order, or (`weighted`) the Triton kernels' fp32 slots,
-    already multiplied by the routing weights and in (row, j) order."""
+    already multiplied by the routing weights and in (row, j) order. Returns (h, normed input or None)."""
     n, k = weights.shape
     if weighted:
         moe = y.view(n, k, -1).sum(1).to(h.dtype)
@@ -122,12 +135,28 @@ def post_ffn(
         moe = (unsorted.view(n, k, -1).float() * weights.reshape(n, k, 1).float()).sum(1).to(h.dtype)
     moe = ref.rms_norm(moe, w_post_ff2, eps)
     h = h + ref.rms_norm(dense + moe, w_post_ff, eps)
-    return h * scalar.to(h.dtype)
+    h = h * scalar.to(h.dtype)
+    return h, None if w_next is None else ref.rms_norm(h, w_next, eps)
 
 
-def moe_layer_ffn(h, attn, p: dict, eps: float, top_k: int, regions: dict) -> torch.Tensor:
+def moe_layer_ffn(
+    h: torch.Tensor,
+    attn: torch.Tensor,
+    p: dict,
+    eps: float,
+    top_k: int,
+    regions: dict,
+    next_norm: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The whole FFN half of a layer from the attention output: regions + the expert kernels (Triton where
-    `cuda.triton_moe_for` allows, else the two grouped GEMMs)."""
+    `cuda.triton_moe_for` allows, else the two grouped GEMMs). Returns the layer's output h, or with
+    `next_norm` (the next layer's input_layernorm) the pair (h, rms_norm(h, next_norm)).
+
+    The dense MLP's weight is p["mlp_gate_up"] ([gate; up], `Layer.merged`), else p["mlp_gate"] and
+    p["mlp_up"] concatenated here (a copy per call: for tests of this function alone)."""
+    gate_up_dense = p.get("mlp_gate_up")
+    if gate_up_dense is None:
+        gate_up_dense = torch.cat([p["mlp_gate"], p["mlp_up"]])
     h, dense, x2, bounds, perm, weights = regions["pre_ffn"](
         h,
         attn,
@@ -135,8 +164,7 @@ def moe_layer_ffn(h, attn, p: dict, eps: float, top_k: int, regions: dict) -> to
         p["pre_feedforward_layernorm"],
         p["pre_feedforward_layernorm_2"],
         p["post_feedforward_layernorm_1"],
-        p["mlp_gate"],
-        p["mlp_up"],
+        gate_up_dense,
         p["mlp_down"],
         p["router_proj"],
         p["router_scale"],
@@ -160,7 +188,7 @@ def moe_layer_ffn(h, attn, p: dict, eps: float, top_k: int, regions: dict) -> to
         offs = bounds[1:]
         gu = _grouped_mm(x2[perm // top_k], gate_up.transpose(1, 2), offs=offs)
         y = _grouped_mm(regions["gelu_mul"](gu), down.transpose(1, 2), offs=offs)
-    return regions["post_ffn"](
+    h, x_next = regions["post_ffn"](
         h,
         dense,
         y,
@@ -169,27 +197,50 @@ def moe_layer_ffn(h, attn, p: dict, eps: float, top_k: int, regions: dict) -> to
         p["post_feedforward_layernorm_2"],
         p["post_feedforward_layernorm"],
         p["layer_scalar"],
+        next_norm,
         eps,
         weighted,
     )
+    return h if next_norm is None else (h, x_next)
 
 
 # -- compilation -------------------------------------------------------------------------------------------
 
 
 class Fused:
-    """`fn` compiled by inductor on first call (no dynamic shapes: a denoise step has fixed ones); if the
-    compile fails, a message on stderr and the eager `fn` from then on. `compile_s` is the time of the calls
-    that compiled (the first call per shape variant)."""
+    """`fn` compiled by inductor on first call; if the compile fails, a message on stderr and the eager `fn`
+    from then on. `compile_s` is the time of the calls that compiled (the first call per shape variant).
 
-    def __init__(self, fn, mode: str | None = None, enabled: bool = True):
+    Shapes are static (a denoise step has fixed ones), except dim 0 of the args named in `dynamic`: those are
+    compiled symbolic (a prefill chunk's token count varies with the prompt, and a compile per new length
+    would cost seconds). Sizes 0 and 1 stay specialized (dynamo's rule), so a 1-token chunk is one variant more.
+    """
+
+    def __init__(self, fn, mode: str | None = None, enabled: bool = True, dynamic: tuple[str, ...] = ()):
         self.fn = fn
         self.enabled = enabled
         self.mode = mode
+        names = list(inspect.signature(fn).parameters)
+        if unknown := set(dynamic) - set(names):
+            raise ValueError(f"{fn.__name__} has no parameters {sorted(unknown)}")
+        self.dynamic = tuple(names.index(n) for n in dynamic)  # their positions
         self.compiled = None
         self.failed: str | None = None
         self.compile_s = 0.0
         self._seen: set = set()
+
+    def _signature(self, args) -> tuple:
+        """What a compiled variant is keyed on: dtypes, static shapes, non-tensor args."""
+        sig = []
+        for i, a in enumerate(args):
+            if not isinstance(a, torch.Tensor):
+                sig.append(a)
+                continue
+            shape = list(a.shape)
+            if i in self.dynamic and shape[0] > 1:
+                shape[0] = "n"
+            sig.append((tuple(shape), a.dtype))
+        return tuple(sig)
 
     def __call__(self, *args):
         if not self.enabled or self.failed:
@@ -199,8 +250,16 @@ class Fused:
             # same top-k experts as the eager path (without it, fp32-kept intermediates flip a few choices).
             opts = dict(torch._inductor.list_mode_options(self.mode)) if self.mode else {}
             opts["emulate_precision_casts"] = True
-            self.compiled = torch.compile(self.fn, dynamic=False, fullgraph=False, options=opts)
-        sig = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+            # dynamic=False turns off automatic dynamic shapes (a second head_dim would make the head dims
+            # symbolic); the dims marked below are symbolic all the same. Dynamo keys compiled entries on the
+            # function and an equal backend, so without isolate_recompiles the denoise step would reuse the
+            # prefill's symbolic-shape kernels; isolated, the prefill may still reuse the denoise's.
+            kw = {"isolate_recompiles": True} if self.dynamic and _HAS_ISOLATE else {}
+            self.compiled = torch.compile(self.fn, dynamic=False, fullgraph=False, options=opts, **kw)
+        for i in self.dynamic:
+            if isinstance(args[i], torch.Tensor) and args[i].shape[0] > 1:
+                torch._dynamo.mark_dynamic(args[i], 0)
+        sig = self._signature(args)
         first = sig not in self._seen
         t0 = time.perf_counter()
         try:
@@ -218,9 +277,22 @@ class Fused:
         return out
 
 
-def make_regions(enabled: bool = True, mode: str | None = None) -> dict:
+# Per region, the parameters whose dim 0 is the token count (or the token-expert pair count): symbolic in the
+# prefill regions (`make_regions(dynamic=True)`).
+TOKEN_ARGS: dict[str, tuple[str, ...]] = {
+    "norm": ("x",),
+    "qkv_post": ("q", "k_raw", "v", "positions"),
+    "pre_ffn": ("h", "attn"),
+    "gelu_mul": ("gu",),
+    "post_ffn": ("h", "dense", "y", "perm", "weights"),
+}
+
+
+def make_regions(enabled: bool = True, mode: str | None = None, dynamic: bool = False) -> dict:
+    """The regions, compiled for fixed shapes (the denoise step) or, `dynamic`, for any token count (the
+    prefill chunks)."""
     return {
-        name: Fused(fn, mode=mode, enabled=enabled)
+        name: Fused(fn, mode=mode, enabled=enabled, dynamic=TOKEN_ARGS[name] if dynamic else ())
         for name, fn in (
             ("norm", norm),
             ("qkv_post", qkv_post),

@@ -1,4 +1,5 @@
-"""Preallocated KV cache: a ring of slots per sliding layer, a linear buffer per full layer."""
+"""Preallocated KV cache: a ring of slots per sliding layer, a linear buffer per full layer, each with room for
+a canvas right after what a denoise step reads, so that attention reads one contiguous slice."""
 
 from __future__ import annotations
 
@@ -17,19 +18,45 @@ def ring_slots(cfg: ModelConfig, max_tokens: int, rewind_slack: int = REWIND_SLA
     return min(max_tokens, cfg.sliding_window + max(2 * cfg.canvas_length, rewind_slack))
 
 
+def _geometry(cfg: ModelConfig, max_tokens: int, ring_size: int) -> tuple[int, int]:
+    """(period, mirror) of a sliding layer's ring: position p lives in slot p % period, and the first `mirror`
+    slots are repeated after the last. A window (window - 1 positions from slot p % period < period) and a
+    canvas after it are then one contiguous slice; period = ring_size + a canvas puts that canvas on slots of
+    positions older than the ring_size ones a rewind may still need. A ring that never wraps is a linear
+    buffer (no mirror)."""
+    c = cfg.canvas_length
+    period = ring_size + c
+    if period >= max_tokens + c:
+        return max_tokens + c, 0
+    return period, cfg.sliding_window - 1 + c
+
+
+def layer_slots(cfg: ModelConfig, layer: int, max_tokens: int, ring_size: int) -> int:
+    """Slots of `layer`'s K (and V) buffer."""
+    if not cfg.is_sliding(layer):
+        return max_tokens + cfg.canvas_length
+    period, mirror = _geometry(cfg, max_tokens, ring_size)
+    return period + mirror
+
+
 def cache_bytes(cfg: ModelConfig, max_tokens: int, dtype: torch.dtype, ring_size: int) -> int:
     """Bytes a KVCache of these dimensions allocates."""
     size = torch.empty((), dtype=dtype).element_size()
-    slots = [ring_size if cfg.is_sliding(i) else max_tokens for i in range(cfg.num_layers)]
-    return sum(2 * s * cfg.num_kv_heads[i] * cfg.head_dims[i] * size for i, s in enumerate(slots))
+    return sum(
+        2 * layer_slots(cfg, i, max_tokens, ring_size) * cfg.num_kv_heads[i] * cfg.head_dims[i] * size
+        for i in range(cfg.num_layers)
+    )
 
 
 class KVCache:
-    """K and V for every layer, shaped [1, kv_heads, slots, head_dim].
+    """K and V for every layer, shaped [1, kv_heads, slots, head_dim]: views of one [2, kv_heads, slots,
+    head_dim] buffer per layer, so that a canvas's K and V are stored by one copy.
 
-    A sliding layer keeps a ring of `ring_size` slots (position p lives in slot p % ring_size); only the last
-    `window - 1` positions are ever read, so the slack above that lets `truncate` rewind without a re-prefill.
-    A full layer keeps a linear buffer of `max_tokens` slots. `length` is the number of cached positions.
+    A sliding layer keeps a ring (`_geometry`); only the last `window - 1` positions are ever read, and the
+    `ring_size` positions kept in all let `truncate` rewind without a re-prefill. A full layer keeps a linear
+    buffer of `max_tokens` slots. Both have room for a canvas right after the span a denoise step reads, where
+    `read_with` puts the canvas's K/V: those slots hold no position a read (or a rewind) can reach, and the
+    next prefill overwrites them. `length` is the number of cached positions.
     """
 
     def __init__(
@@ -45,78 +72,119 @@ class KVCache:
         self.cfg = cfg
         self.max_tokens = max_tokens
         self.window = cfg.sliding_window
+        self.canvas_slots = cfg.canvas_length
         self.ring_size = ring_size or ring_slots(cfg, max_tokens)
         if self.ring_size < min(max_tokens, self.window - 1):
             raise ValueError(f"ring_size {self.ring_size} is smaller than the window - 1 ({self.window - 1})")
+        self.period, self.mirror = _geometry(cfg, max_tokens, self.ring_size)
         self.length = 0
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
+        # Oldest position every ring still holds: a write ending at e may overwrite any position < e - ring_size,
+        # and a rewind does not bring those back (so length - ring_size alone says too much after a truncate).
+        self.oldest = 0
+        self.kv: list[torch.Tensor] = []  # [2, kv_heads, slots, head_dim]
         for i in range(cfg.num_layers):
-            slots = self.ring_size if cfg.is_sliding(i) else max_tokens
-            shape = (1, cfg.num_kv_heads[i], slots, cfg.head_dims[i])
-            self.k.append(torch.zeros(shape, device=device, dtype=dtype))
-            self.v.append(torch.zeros(shape, device=device, dtype=dtype))
+            slots = layer_slots(cfg, i, max_tokens, self.ring_size)
+            shape = (2, cfg.num_kv_heads[i], slots, cfg.head_dims[i])
+            self.kv.append(torch.zeros(shape, device=device, dtype=dtype))
+        self.k = [t[0:1] for t in self.kv]
+        self.v = [t[1:2] for t in self.kv]
 
     @property
     def device(self) -> torch.device:
-        return self.k[0].device
+        return self.kv[0].device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.k[0].dtype
+        return self.kv[0].dtype
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.kv)
 
     def window_positions(self, end: int) -> torch.Tensor:
         """Positions a sliding layer still sees before `end`: [end - (window - 1), end)."""
-        start = max(0, end - (self.window - 1))
-        return torch.arange(start, end, device=self.device)
+        return torch.arange(self._window_start(end), end, device=self.device)
+
+    def _window_start(self, end: int) -> int:
+        return max(0, end - (self.window - 1))
+
+    def _span(self, layer: int, end: int) -> tuple[int, int]:
+        """Slots [a, b) that hold, in position order, what `layer` attends to before position `end`."""
+        if not self.cfg.is_sliding(layer):
+            return 0, end
+        start = self._window_start(end)
+        a = start % self.period
+        return a, a + end - start
 
     def read(self, layer: int, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """K, V and positions of what `layer` attends to before position `end` (default: the cache length)."""
+        """K, V and positions of what `layer` attends to before position `end` (default: the cache length).
+
+        Full layers: views. Sliding layers: copies, as a later `write` may overwrite those slots."""
         end = self.length if end is None else end
+        a, b = self._span(layer, end)
         if self.cfg.is_sliding(layer):
             pos = self.window_positions(end)
-            slots = pos % self.ring_size
-            return self.k[layer][:, :, slots], self.v[layer][:, :, slots], pos
+            return self.k[layer][:, :, a:b].clone(), self.v[layer][:, :, a:b].clone(), pos
         pos = torch.arange(0, end, device=self.device)
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end], pos
+        return self.k[layer][:, :, a:b], self.v[layer][:, :, a:b], pos
 
     def read_with(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of what `layer` attends to at the cache length, followed by a canvas's own k/v [1, h, C, d].
 
-        A full layer with room places the canvas in its linear buffer's scratch slots [length, length + C)
-        and returns views: no copy of the (long) prefix. Those slots are beyond `length`, so nothing that
-        reads the cache sees them, and the next prefill overwrites them. Sliding layers concatenate (small)."""
+        The canvas goes to the free slots right after the cached span and the result is a view of the span
+        and the canvas: no copy of the prefix, no gather (nothing else reads those slots, see the class). A
+        canvas longer than the room, or in another dtype, is concatenated instead."""
         c = k.shape[2]
-        end = self.length
-        if not self.cfg.is_sliding(layer) and end + c <= self.max_tokens:
-            self.k[layer][:, :, end : end + c] = k.to(self.dtype)
-            self.v[layer][:, :, end : end + c] = v.to(self.dtype)
-            return self.k[layer][:, :, : end + c], self.v[layer][:, :, : end + c]
-        past_k, past_v, _ = self.read(layer)
-        return torch.cat([past_k.to(k.dtype), k], dim=2), torch.cat([past_v.to(v.dtype), v], dim=2)
+        if c > self.canvas_slots or k.dtype != self.dtype:
+            past_k, past_v, _ = self.read(layer)
+            return torch.cat([past_k.to(k.dtype), k], dim=2), torch.cat([past_v.to(v.dtype), v], dim=2)
+        a, b = self._span(layer, self.length)
+        self.k[layer][:, :, b : b + c].copy_(k)
+        self.v[layer][:, :, b : b + c].copy_(v)
+        return self.k[layer][:, :, a : b + c], self.v[layer][:, :, a : b + c]
+
+    def read_with_kv(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`read_with` for the canvas's K and V stacked in one tensor [2, h, C, d]: one copy for both."""
+        c = kv.shape[2]
+        if c > self.canvas_slots or kv.dtype != self.dtype:
+            return self.read_with(layer, kv[0:1], kv[1:2])
+        a, b = self._span(layer, self.length)
+        self.kv[layer][:, :, b : b + c].copy_(kv)
+        return self.k[layer][:, :, a : b + c], self.v[layer][:, :, a : b + c]
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V [1, heads, T, d] for positions start .. start+T-1 (does not move `length`)."""
         t = k.shape[2]
         if start + t > self.max_tokens:
             raise ValueError(f"KV cache full: {start + t} tokens > max_tokens {self.max_tokens}")
-        if self.cfg.is_sliding(layer):
-            keep = min(t, self.ring_size)
-            slots = torch.arange(start + t - keep, start + t, device=self.device) % self.ring_size
-            self.k[layer][:, :, slots] = k[:, :, t - keep :].to(self.dtype)
-            self.v[layer][:, :, slots] = v[:, :, t - keep :].to(self.dtype)
-        else:
-            self.k[layer][:, :, start : start + t] = k.to(self.dtype)
-            self.v[layer][:, :, start : start + t] = v.to(self.dtype)
+        k, v = k.to(self.dtype), v.to(self.dtype)
+        if not self.cfg.is_sliding(layer):
+            self.k[layer][:, :, start : start + t] = k
+            self.v[layer][:, :, start : start + t] = v
+            return
+        keep = min(t, self.ring_size)
+        self.oldest = max(self.oldest, start + t - self.ring_size)
+        first = start + t - keep  # positions first.. go to slots first % period.., wrapping at most once
+        a = first % self.period
+        n = min(keep, self.period - a)
+        self._put(layer, a, k[:, :, t - keep : t - keep + n], v[:, :, t - keep : t - keep + n])
+        if n < keep:
+            self._put(layer, 0, k[:, :, t - keep + n :], v[:, :, t - keep + n :])
+
+    def _put(self, layer: int, a: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v into ring slots a.. (no wrap), and the part below `mirror` into its mirror slots too."""
+        b = a + k.shape[2]
+        self.k[layer][:, :, a:b] = k
+        self.v[layer][:, :, a:b] = v
+        m = min(b, self.mirror) - a
+        if m > 0:
+            self.k[layer][:, :, self.period + a : self.period + a + m] = k[:, :, :m]
+            self.v[layer][:, :, self.period + a : self.period + a + m] = v[:, :, :m]
 
     def can_truncate(self, pos: int) -> bool:
         """True when the rings still hold the window that precedes `pos`."""
         if not 0 <= pos <= self.length:
             return False
-        oldest_in_ring = max(0, self.length - self.ring_size)
+        oldest_in_ring = max(0, self.length - self.ring_size, self.oldest)
         return max(0, pos - (self.window - 1)) >= oldest_in_ring
 
     def truncate(self, pos: int) -> None:
@@ -132,6 +200,7 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+        self.oldest = 0
 
     def fingerprint(self) -> str:
         """SHA-256 of the live K/V of every layer in position order (what attention can still read)."""

@@ -57,6 +57,51 @@ class Layer(nn.Module):
         self.experts_down = _param(cfg.num_experts, h, cfg.moe_intermediate_size)
         self.layer_scalar = _param(1)  # decoder's
         self.encoder_layer_scalar = _param(1)  # the encoder's copy (equal in real checkpoints)
+        self.qkv_names = ("q_proj", "k_proj", "v_proj") if self.sliding else ("q_proj", "k_proj")
+        self._merged: dict[tuple[str, ...], tuple[torch.Tensor, list[int]]] = {}
+
+    def merged(self, *names: str) -> torch.Tensor:
+        """The named [rows, hidden] weights as one [sum of rows, hidden] tensor ([q; k; v], [gate; up]): one
+        GEMM in place of several, the output split by columns.
+
+        Built on first use; the parameters then become views into it (the same Parameter objects, their
+        `.data` re-pointed), so it costs no memory and in-place updates of a parameter reach it. A parameter
+        replaced since (the loader sets new ones, `.to()` moves them) no longer points into it: it is rebuilt
+        from the current parameters. Call it outside CUDA-graph capture first (the graph's warm-up does)."""
+        parts = [getattr(self, n) for n in names]
+        hit = self._merged.get(names)
+        if hit is not None and hit[1] == [p.data_ptr() for p in parts]:
+            return hit[0]
+        w = torch.cat([p.detach() for p in parts])
+        row = 0
+        for p in parts:
+            p.data = w[row : row + p.shape[0]]
+            row += p.shape[0]
+        self._merged[names] = (w, [p.data_ptr() for p in parts])
+        return w
+
+    def ffn_params(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The FFN half's weights for kernels/fused.moe_layer_ffn, in dtype (the dense gate/up merged)."""
+        p = {
+            name: getattr(self, name).to(dtype)
+            for name in (
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "pre_feedforward_layernorm_2",
+                "post_feedforward_layernorm_1",
+                "post_feedforward_layernorm_2",
+                "post_feedforward_layernorm",
+                "mlp_down",
+                "router_proj",
+                "router_scale",
+                "experts_gate_up",
+                "experts_down",
+                "layer_scalar",
+            )
+        }
+        p["mlp_gate_up"] = self.merged("mlp_gate", "mlp_up").to(dtype)
+        p["per_expert_scale"] = self.per_expert_scale
+        return p
 
 
 class DiffusionGemma(nn.Module):
@@ -86,6 +131,8 @@ class DiffusionGemma(nn.Module):
         # True/False forces it (True on cpu compiles for the cpu, which is how it is smoke-tested).
         self.fuse: bool | None = None
         self.fused_regions = fused_ops.make_regions()
+        # The same regions for the prefill (also on when is_fused): compiled with a symbolic token count.
+        self.prefill_regions = fused_ops.make_regions(dynamic=True)
         self._graphs: dict = {}
         self._graph_cache_key: tuple | None = None
 
@@ -203,7 +250,9 @@ class DiffusionGemma(nn.Module):
         return float(torch.tensor(math.sqrt(self.cfg.hidden_size), dtype=self.embed.dtype).to(dtype))
 
     def _embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed[ids] * self._embed_scale(self.embed.dtype)
+        # F.embedding, not self.embed[ids]: the same rows, but its backward is a dense scatter-add where the
+        # indexing backward sorts; that sort was 40% of the demo trainer's GPU time (measured on an H200).
+        return F.embedding(ids, self.embed) * self._embed_scale(self.embed.dtype)
 
     def _decoder_input(
         self, canvas: torch.Tensor, sc_probs: torch.Tensor | None, sc_seed: bool
@@ -285,23 +334,22 @@ class DiffusionGemma(nn.Module):
         start, t = kv.length, ids.shape[0]
         positions = torch.arange(start, start + t, device=self.device)
         h = self._embed_tokens(ids).to(dtype)
+        if self.is_fused and dtype == self.dtype:  # each layer's last region also norms the next's input
+            x = None
+            for layer, nxt in zip(self.layers, [*self.layers[1:], None], strict=True):
+                norm = None if nxt is None else nxt.input_layernorm
+                h, x = self._encode_layer_fused(layer, h, kv, positions, x, norm)
+            kv.length = start + t
+            return
         fast = self.is_fast
         for layer in self.layers:
 
             def attend(x: torch.Tensor, layer: Layer = layer) -> torch.Tensor:
                 q, k, v = self._qkv(layer, x, positions)
-                past_k, past_v, past_pos = kv.read(layer.idx, start)
                 if fast:
-                    kv.write(layer.idx, start, k, v)
-                    if layer.sliding:
-                        keys = torch.cat([past_k.to(k.dtype), k], dim=2)
-                        vals = torch.cat([past_v.to(v.dtype), v], dim=2)
-                        key_pos = torch.cat([past_pos, positions])
-                        w = self.cfg.sliding_window
-                        out = fast_ops.attention_window(q, keys, vals, positions, key_pos, w)
-                    else:
-                        out = fast_ops.attention_causal_past(q, past_k.to(k.dtype), past_v.to(v.dtype), k, v)
+                    out = self._prefill_attention_fast(layer, q, k, v, kv, positions)
                     return out[0].transpose(0, 1).reshape(t, -1)
+                past_k, past_v, past_pos = kv.read(layer.idx, start)
                 keys = torch.cat([past_k.to(k.dtype), k], dim=2)
                 vals = torch.cat([past_v.to(v.dtype), v], dim=2)
                 key_pos = torch.cat([past_pos, positions])
@@ -315,9 +363,91 @@ class DiffusionGemma(nn.Module):
             h = self._layer(layer, h, attend, layer.encoder_layer_scalar)
         kv.length = start + t
 
+    def _prefill_attention_fast(
+        self,
+        layer: Layer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: KVCache,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """The fast ops' causal attention of a prefill chunk (q [1,H,T,d], k/v [1,Hkv,T,d] at `positions`
+        = kv.length..) over the cached past and itself; writes the chunk's k/v into the cache."""
+        start = kv.length
+        past_k, past_v, past_pos = kv.read(layer.idx, start)
+        kv.write(layer.idx, start, k, v)
+        if layer.sliding:
+            keys = torch.cat([past_k.to(k.dtype), k], dim=2)
+            vals = torch.cat([past_v.to(v.dtype), v], dim=2)
+            key_pos = torch.cat([past_pos, positions])
+            w = self.cfg.sliding_window
+            return fast_ops.attention_window(q, keys, vals, positions, key_pos, w)
+        return fast_ops.attention_causal_past(q, past_k.to(k.dtype), past_v.to(v.dtype), k, v)
+
+    def _encode_layer_fused(
+        self,
+        layer: Layer,
+        h: torch.Tensor,
+        kv: KVCache,
+        positions: torch.Tensor,
+        x: torch.Tensor | None,
+        next_norm: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One encoder layer on a prefill chunk h [T, hidden]: the fast path's math as the prefill regions
+        (kernels/fused.py, compiled for any T) around the library GEMMs and the same attention calls.
+
+        `x`: this layer's normed input when the previous layer made it; `next_norm`: the next layer's
+        input_layernorm, applied in this layer's last region. Returns (h, the next layer's normed input)."""
+        r, eps = self.prefill_regions, self.cfg.rms_norm_eps
+        q, k_raw, v, inv_freq = self._fused_qkv(layer, h, x, r, positions)
+        q, k, v = r["qkv_post"](q, k_raw, v, layer.q_norm, layer.k_norm, inv_freq, positions, eps)
+        out = self._prefill_attention_fast(layer, q, k, v, kv, positions)
+        return self._fused_ffn_half(layer, h, out, r, layer.encoder_layer_scalar, next_norm)
+
+    def _fused_qkv(self, layer: Layer, h: torch.Tensor, x: torch.Tensor | None, regions: dict, positions):
+        """The merged q/k/v GEMM of a fused layer on h [T, hidden] (its normed input x made here unless the
+        previous layer made it): q [T, H, d], raw k and v [T, Hkv, d] (v None on full layers: V = raw k), and
+        the layer's RoPE frequencies."""
+        t, hd, nq, nkv = h.shape[0], layer.head_dim, layer.n_heads, layer.n_kv
+        if x is None:
+            x = regions["norm"](h, layer.input_layernorm, self.cfg.rms_norm_eps)
+        qkv = F.linear(x, layer.merged(*layer.qkv_names).to(h.dtype))  # [T, (nq + nkv [+ nkv]) * hd]
+        q = qkv[:, : nq * hd].view(t, nq, hd)
+        k_raw = qkv[:, nq * hd : (nq + nkv) * hd].view(t, nkv, hd)
+        v = qkv[:, (nq + nkv) * hd :].view(t, nkv, hd) if layer.sliding else None
+        return q, k_raw, v, self._inv_freq(layer, positions.device)
+
+    def _fused_ffn_half(
+        self,
+        layer: Layer,
+        h: torch.Tensor,
+        out: torch.Tensor,
+        regions: dict,
+        scalar: torch.Tensor,
+        next_norm: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A fused layer from its attention output out [1, H, T, d]: o_proj, then the FFN half
+        (fused.moe_layer_ffn on `regions`) ending in `scalar` (the decoder's or the encoder's layer scalar)
+        and, with `next_norm`, the next layer's normed input. Returns (h, that input or None)."""
+        dt, t = h.dtype, h.shape[0]
+        attn = F.linear(out[0].transpose(0, 1).reshape(t, -1), layer.o_proj.to(dt))
+        p = layer.ffn_params(dt)
+        p["layer_scalar"] = scalar.to(dt)
+        res = fused_ops.moe_layer_ffn(
+            h, attn, p, self.cfg.rms_norm_eps, self.cfg.top_k_experts, regions, next_norm
+        )
+        return res if next_norm is not None else (res, None)
+
     def _decode_layers(self, h: torch.Tensor, kv: KVCache) -> torch.Tensor:
         c = h.shape[0]
         positions = torch.arange(kv.length, kv.length + c, device=self.device)
+        if self.is_fused:  # each layer's last region also norms the next layer's input
+            x = None
+            for layer, nxt in zip(self.layers, [*self.layers[1:], None], strict=True):
+                norm = None if nxt is None else nxt.input_layernorm
+                h, x = self._decode_layer_fused(layer, h, kv, positions, x, norm)
+            return h
         for layer in self.layers:
             h = self._decode_layer(layer, h, kv, positions)
         return h
@@ -327,7 +457,7 @@ class DiffusionGemma(nn.Module):
     ) -> torch.Tensor:
         """One decoder layer on the canvas stream h [C, hidden] at `positions`, attending to the cache."""
         if self.is_fused:
-            return self._decode_layer_fused(layer, h, kv, positions)
+            return self._decode_layer_fused(layer, h, kv, positions)[0]
         c = h.shape[0]
         fast = self.is_fast
 
@@ -346,38 +476,21 @@ class DiffusionGemma(nn.Module):
         return self._layer(layer, h, attend, layer.layer_scalar)
 
     def _decode_layer_fused(
-        self, layer: Layer, h: torch.Tensor, kv: KVCache, positions: torch.Tensor
-    ) -> torch.Tensor:
-        """_decode_layer's math as compiled regions (kernels/fused.py) around the library GEMMs and SDPA."""
-        r, eps, dt = self.fused_regions, self.cfg.rms_norm_eps, h.dtype
-        c, hd = h.shape[0], layer.head_dim
-        x = r["norm"](h, layer.input_layernorm, eps)
-        q = F.linear(x, layer.q_proj.to(dt)).view(c, layer.n_heads, hd)
-        k_raw = F.linear(x, layer.k_proj.to(dt)).view(c, layer.n_kv, hd)
-        v = F.linear(x, layer.v_proj.to(dt)).view(c, layer.n_kv, hd) if layer.sliding else None
-        inv_freq = self._inv_freq(layer, positions.device)
-        q, k, v = r["qkv_post"](q, k_raw, v, layer.q_norm, layer.k_norm, inv_freq, positions, eps)
-        keys, vals = kv.read_with(layer.idx, k, v)
+        self,
+        layer: Layer,
+        h: torch.Tensor,
+        kv: KVCache,
+        positions: torch.Tensor,
+        x: torch.Tensor | None = None,
+        next_norm: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """_decode_layer's math as compiled regions (kernels/fused.py) around the library GEMMs and SDPA.
+
+        `x`: this layer's normed input when the previous layer made it; `next_norm`: the next layer's
+        input_layernorm, applied in this layer's last region. Returns (h, the next layer's normed input)."""
+        r, eps = self.fused_regions, self.cfg.rms_norm_eps
+        q, k_raw, v, inv_freq = self._fused_qkv(layer, h, x, r, positions)
+        q, kv_new = r["qkv_post"](q, k_raw, v, layer.q_norm, layer.k_norm, inv_freq, positions, eps, True)
+        keys, vals = kv.read_with_kv(layer.idx, kv_new)  # views: cached span + this canvas, no gather
         out = fast_ops.attention_nomask(q, keys, vals)
-        attn = F.linear(out[0].transpose(0, 1).reshape(c, -1), layer.o_proj.to(dt))
-        p = {
-            name: getattr(layer, name).to(dt)
-            for name in (
-                "post_attention_layernorm",
-                "pre_feedforward_layernorm",
-                "pre_feedforward_layernorm_2",
-                "post_feedforward_layernorm_1",
-                "post_feedforward_layernorm_2",
-                "post_feedforward_layernorm",
-                "mlp_gate",
-                "mlp_up",
-                "mlp_down",
-                "router_proj",
-                "router_scale",
-                "experts_gate_up",
-                "experts_down",
-                "layer_scalar",
-            )
-        }
-        p["per_expert_scale"] = layer.per_expert_scale
-        return fused_ops.moe_layer_ffn(h, attn, p, eps, self.cfg.top_k_experts, r)
+        return self._fused_ffn_half(layer, h, out, r, layer.layer_scalar, next_norm)

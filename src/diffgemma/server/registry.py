@@ -120,5 +120,5 @@ def copy_prefix(src: KVCache, dst: KVCache, n: int) -> None:
         else:
             dst.k[layer][:, :, :n].copy_(src.k[layer][:, :, :n])
             dst.v[layer][:, :, :n].copy_(src.v[layer][:, :, :n])
-    dst.length = src.length
+    dst.length, dst.oldest = src.length, src.oldest  # oldest: what the copied rings still hold
     dst.truncate(n)

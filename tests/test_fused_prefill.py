@@ -1,0 +1,85 @@
+"""The fused prefill (torch.compile'd regions with a symbolic token count, compiled here for the CPU) pinned to
+the unfused fast path, and the materialized-scores full-layer prefill attention pinned to the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffgemma.kernels import cuda as fast
+from diffgemma.kernels import torch_ref as ref
+from diffgemma.weights.loader import load_model
+
+
+@pytest.mark.parametrize("past", [0, 37])
+@pytest.mark.parametrize("block", [None, 7, 16, 64])
+def test_attention_causal_scores_matches_reference(past, block):
+    g = torch.Generator().manual_seed(past)
+    h, hkv, t, d = 8, 2, 50, 16
+    q = torch.randn(1, h, t, d, generator=g)
+    k = torch.randn(1, hkv, past + t, d, generator=g)
+    v = torch.randn(1, hkv, past + t, d, generator=g)
+    qpos, kpos = torch.arange(past, past + t), torch.arange(past + t)
+    want = ref.attention(q, k, v, kpos[None] <= qpos[:, None])
+    p = past
+    got = fast.attention_causal_scores(q, k[:, :, :p], v[:, :, :p], k[:, :, p:], v[:, :, p:], block=block)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32 all through: rounding only
+    # bf16: P rounded to bf16 before P @ V, as flash kernels do; ~3 significant digits
+    bf = [x.bfloat16() for x in (q, k[:, :, :p], v[:, :, :p], k[:, :, p:], v[:, :, p:])]
+    got16 = fast.attention_causal_scores(*bf, block=block)
+    assert got16.dtype == torch.bfloat16
+    assert float((got16.float() - want).norm() / want.norm()) < 1e-2
+
+
+def _kv_state(kv) -> list[torch.Tensor]:
+    return [t for i in range(kv.cfg.num_layers) for t in kv.read(i)[:2]]
+
+
+@torch.no_grad()
+def test_fused_prefill_matches_unfused_and_compiles_once_for_all_lengths(tiny_a):
+    # fp32: the regions are the same ops as the unfused fast path; compiled, only the order of fp32 reductions
+    # (and fused multiply-adds) differs, ~1e-7 relative per op, a few 1e-6 after 5 layers (measured 7e-6 max
+    # abs on K/V of unit scale). 1e-4 leaves room and still catches any real difference (a wrong norm, scalar,
+    # mask or position is O(1)).
+    plain = load_model(tiny_a, "cpu", torch.float32)
+    fused = load_model(tiny_a, "cpu", torch.float32)
+    plain.fast, plain.fuse = True, False
+    fused.fast, fused.fuse = True, True
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, plain.cfg.vocab_size, (1, 35), generator=g)
+    canvas = torch.randint(0, plain.cfg.vocab_size, (1, plain.cfg.canvas_length), generator=g)
+    kv_plain, kv_fused = plain.new_cache(128, ring_size=24), fused.new_cache(128, ring_size=24)
+
+    # two chunks of different lengths (23, then 12): past keys in the second, the ring wraps (window 8)
+    plain.prefill(prompt[:, :23], kv_plain)
+    fused.prefill(prompt[:, :23], kv_fused)
+    regions = fused.prefill_regions
+    variants = {name: len(r._seen) for name, r in regions.items()}
+    assert all(variants.values()), variants  # every prefill region was called (compiled)
+    assert not any(r._seen for r in fused.fused_regions.values())  # not the denoise's fixed-shape set
+    # A chunk of a new length must reuse the compiled regions: a recompile raises, which `Fused` turns into
+    # `failed` (and eager).
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        plain.prefill(prompt[:, 23:], kv_plain)
+        fused.prefill(prompt[:, 23:], kv_fused)
+    assert not any(r.failed for r in regions.values()), {n: r.failed for n, r in regions.items()}
+    assert {name: len(r._seen) for name, r in regions.items()} == variants
+
+    assert kv_fused.length == kv_plain.length == 35
+    for got, want in zip(_kv_state(kv_fused), _kv_state(kv_plain), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # the denoise that follows, on the same (unfused) path for both: only the caches differ
+    fused.fuse = False
+    torch.testing.assert_close(
+        fused.denoise(canvas, kv_fused), plain.denoise(canvas, kv_plain), rtol=1e-4, atol=1e-4
+    )
+
+
+@torch.no_grad()
+def test_fused_prefill_only_in_the_model_dtype(tiny_a):
+    # an fp32 compute dtype on a bf16 model (short prompts) takes the unfused path: the regions are compiled
+    # for the model dtype
+    m = load_model(tiny_a, "cpu", torch.bfloat16)
+    m.fast, m.fuse = True, True
+    m.prefill(torch.arange(3, 20)[None], m.new_cache(64), compute_dtype=torch.float32)
+    assert not any(r._seen for r in m.prefill_regions.values())
