@@ -38,11 +38,10 @@ def check(ex: data.Example, text: str) -> tuple[bool, bool]:
     return exact, exact
 
 
-def key_distance(ex: data.Example, tok: Tokenizer) -> int:
-    """Tokens from the asked line of a retrieval prompt to the end of the prompt."""
+def key_distance(ex: data.Example, tok: Tokenizer, prompt_len: int) -> int:
+    """Tokens from the asked line of a retrieval prompt (prompt_len tokens) to the end of the prompt."""
     cut = ex.prompt.index(f"- {ex.meta['key']}:")
-    full = tok.encode(ex.prompt, add_special_tokens=False).ids
-    return len(full) - len(tok.encode(ex.prompt[:cut], add_special_tokens=False).ids)
+    return prompt_len - len(tok.encode(ex.prompt[:cut], add_special_tokens=False).ids)
 
 
 def evaluate(
@@ -84,7 +83,7 @@ def evaluate(
         r["steps"] += sum(out.block_steps)
         r["blocks"] += len(out.block_steps)
         r["s"] += dt
-        if ex.task == "retrieval" and key_distance(ex, tok) > eng.model.cfg.sliding_window:
+        if ex.task == "retrieval" and key_distance(ex, tok, len(ids)) > eng.model.cfg.sliding_window:
             r["far_n"] = r.get("far_n", 0) + 1
             r["far_exact"] = r.get("far_exact", 0) + exact
         if len(samples) < 400:

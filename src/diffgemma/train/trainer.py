@@ -325,12 +325,6 @@ def step_body(model, opt, micro: list[Batch], sc: bool, seed_first: bool, temp, 
     return total
 
 
-def train_step(model, opt, micro: list[Batch], rng: random.Random, cfg: TrainConfig, device: str, autocast):
-    """One eager optimizer step; returns (loss, content_loss, content_acc) on the device."""
-    sc, seed_first, temp = step_choices(rng, cfg)
-    return step_body(model, opt, [b.to(device) for b in micro], sc, seed_first, temp, cfg, autocast)
-
-
 def param_groups(model, weight_decay: float):
     decay, no_decay = [], []
     for _name, p in model.named_parameters():
@@ -511,17 +505,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 progress = max(step / total, (time.time() - t_loop) / cfg.time_limit)
             lr = lr_at(cfg, step, total, progress)
             for g in opt.param_groups:
-                if graphs:
+                if isinstance(g["lr"], torch.Tensor):  # capturable AdamW: the graphs read it on the device
                     g["lr"].fill_(lr)
                 else:
                     g["lr"] = lr
             micro = prefetch.get()
+            choices = step_choices(rng, cfg)
+            stats = None
             if graphs:
                 if graphed is None:
                     from diffgemma.train.graphed import GraphedStep
 
                     graphed = GraphedStep(model, opt, cfg, micro, device, autocast)
-                choices = step_choices(rng, cfg)
                 try:
                     stats = graphed(micro, *choices)
                 except Exception as e:  # noqa: BLE001 - a failed capture: eager steps from here on, loudly
@@ -529,9 +524,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                         f"CUDA graph step failed ({type(e).__name__}: {e}); eager steps from here", flush=True
                     )
                     graphs = False
-                    stats = step_body(model, opt, [b.to(device) for b in micro], *choices, cfg, autocast)
-            else:
-                stats = train_step(model, opt, micro, rng, cfg, device, autocast)
+            if stats is None:
+                stats = step_body(model, opt, [b.to(device) for b in micro], *choices, cfg, autocast)
             sums = stats if sums is None else sums + stats
             n_acc += 1
             step += 1
