@@ -3,7 +3,8 @@
 Seven tasks, each rendered with `render_gemma4` (prompt) plus the exact reply text the model must write:
 
     arith        "What is 17 + 25?"                      -> "17 + 25 = 42<turn|>"
-    retrieval    30-48 "- KEY: WORD" lines (longer than the sliding window), "What is the code word for KEY?"
+    retrieval    30-48 "- KEY: WORD" lines (longer than the sliding window; training also has shorter lists),
+                 "What is the code word for KEY?"
                  -> "The code word for KEY is WORD.<turn|>"
     long         "Count from 37 to 55."                  -> "37, 38, ..., 55<turn|>" (2-4 canvas blocks)
     tool_call    a request that needs one of the declared tools -> '<|tool_call>call:NAME{...}<tool_call|><|tool_response>'
@@ -32,14 +33,18 @@ TASKS = ("arith", "retrieval", "long", "tool_call", "tool_answer", "think", "yes
 # with arith 0.28 / tool_call 0.16 reached 100% on tool calls and answers but 50% on arithmetic. Arithmetic
 # prompts are also the cheapest (~26 tokens against ~250 for retrieval and tool prompts).
 TASK_WEIGHTS = {
-    "arith": 0.36,
-    "retrieval": 0.30,
-    "long": 0.05,
-    "tool_call": 0.10,
-    "tool_answer": 0.05,
-    "think": 0.07,
+    "arith": 0.38,
+    "retrieval": 0.35,
+    "long": 0.04,
+    "tool_call": 0.07,
+    "tool_answer": 0.04,
+    "think": 0.05,
     "yesno": 0.07,
 }
+# Share of the training retrieval lists that are short (2-29 lines, mostly inside the window); held-out lists
+# are always 30-48 lines. Few candidates give the lookup a strong gradient early: with 30-48 lines only, 3k
+# steps left retrieval at 6% (the model answered a frequent code word).
+RETRIEVAL_SHORT = 0.35
 HELDOUT_BUCKETS = 10  # 1 in 10 identities is held out
 TURN_END = "<turn|>"
 TOOL_RESPONSE = "<|tool_response>"
@@ -283,11 +288,11 @@ def _arith(rng: random.Random) -> Example:
     return Example("arith", prompt, f"{a} {op} {b} = {c}{TURN_END}", f"arith:{a}{op}{b}", {"result": c})
 
 
-def _retrieval(rng: random.Random) -> Example:
+def _retrieval(rng: random.Random, lines: tuple[int, int] = (30, 48)) -> Example:
     # Each key and value is one word with its leading space, so the list, the question and the answer spell
     # them with the same tokens: the model must find the line, not also learn that "dog" and " dog" are one
     # word. (A first design, "dog: 744" lines answered "744", stayed at 0% after 15 minutes of training.)
-    n = rng.randint(30, 48)
+    n = rng.randint(*lines)
     keys = rng.sample(ANIMALS + OBJECTS, n)
     vals = [rng.choice(CODE_WORDS) for _ in keys]
     lines = "\n".join(f"- {k}: {v}" for k, v in zip(keys, vals, strict=True))
@@ -439,7 +444,10 @@ def make_example(task: str, rng: random.Random, split: str = "train") -> Example
     """One example of `task` from the given split ("train" or "heldout")."""
     want_heldout = split == "heldout"
     for _ in range(10_000):
-        ex = MAKERS[task](rng)
+        if task == "retrieval" and not want_heldout and rng.random() < RETRIEVAL_SHORT:
+            ex = _retrieval(rng, lines=(2, 29))
+        else:
+            ex = MAKERS[task](rng)
         if is_heldout(ex.identity) == want_heldout:
             return ex
     raise RuntimeError(f"could not draw a {split} example of {task}")

@@ -66,18 +66,15 @@ def positions_and_masks(
     return pos, masks
 
 
-def _qkv(model: DiffusionGemma, layer: Layer, x: torch.Tensor, pos: torch.Tensor):
-    """x [B, T, hidden] -> Q [B, H, T, d], K/V [B, Hkv, T, d] (as `DiffusionGemma._qkv`, batched)."""
-    eps = model.cfg.rms_norm_eps
+def _qkv(layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float):
+    """x [B, T, hidden] -> Q [B, H, T, d], K/V [B, Hkv, T, d] (as `DiffusionGemma._qkv`, batched); cos/sin [B*T, d]."""
     b, t, _ = x.shape
     hd = layer.head_dim
     q = F.linear(x, layer.q_proj.to(x.dtype)).view(b * t, layer.n_heads, hd)
     k_raw = F.linear(x, layer.k_proj.to(x.dtype)).view(b * t, layer.n_kv, hd)
     v = F.linear(x, layer.v_proj.to(x.dtype)).view(b * t, layer.n_kv, hd) if layer.sliding else k_raw
-    inv = model.inv_freq[model.cfg.layer_types[layer.idx]].to(x.device)
-    cos, sin = ops.rope_cos_sin(inv, pos.reshape(-1), q.dtype)
-    q = ops.apply_rope(ops.rms_norm(q, layer.q_norm, eps), cos, sin)
-    k = ops.apply_rope(ops.rms_norm(k_raw, layer.k_norm, eps), cos, sin)
+    q = ops.apply_rope(ops.rms_norm(q, layer.q_norm, eps), cos.to(q.dtype), sin.to(q.dtype))
+    k = ops.apply_rope(ops.rms_norm(k_raw, layer.k_norm, eps), cos.to(q.dtype), sin.to(q.dtype))
     v = ops.rms_norm(v, None, eps)
 
     def heads(z: torch.Tensor) -> torch.Tensor:
@@ -112,6 +109,7 @@ def train_forward(
     sc_probs: torch.Tensor | None = None,
     sc_seed: bool = False,
     moe: str = "dense",
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Softcapped logits [B, C, V] for canvases [B, C] after left-padded prompts [B, P] (mask [B, P]).
 
@@ -120,21 +118,52 @@ def train_forward(
     """
     b, p = prompt_ids.shape
     c = canvas_ids.shape[1]
-    eps = model.cfg.rms_norm_eps
     pos, masks = positions_and_masks(model, prompt_mask, c)
     enc_in = model._embed_tokens(prompt_ids)
     dec_in = model._decoder_input(canvas_ids, sc_probs, sc_seed)
     h = torch.cat([enc_in.to(dec_in.dtype), dec_in], 1)  # [B, T, hidden]
     t = p + c
     is_prompt = (torch.arange(t, device=h.device) < p)[None, :, None]
+    rope = {}
+    for lt in set(model.cfg.layer_types):  # cos/sin once per layer type, in fp32 (cast in the layer)
+        rope[lt] = ops.rope_cos_sin(model.inv_freq[lt].to(h.device), pos.reshape(-1), torch.float32)
+    step = compiled_layer() if compiled else layer_forward
     for layer in model.layers:
-        x = ops.rms_norm(h, layer.input_layernorm, eps)
-        q, k, v = _qkv(model, layer, x, pos)
-        attn = ops.attention(q, k, v, masks[layer.sliding])  # [B, H, T, d]
-        attn = attn.transpose(1, 2).reshape(b, t, -1)
-        attn = F.linear(attn, layer.o_proj.to(h.dtype))
-        h = h + ops.rms_norm(attn, layer.post_attention_layernorm, eps)
-        h = h + _ffn(model, layer, h.reshape(b * t, -1), moe).view(b, t, -1)
-        scalar = torch.where(is_prompt, layer.encoder_layer_scalar, layer.layer_scalar)
-        h = h * scalar.to(h.dtype)
+        cos, sin = rope[model.cfg.layer_types[layer.idx]]
+        h = step(model, layer, h, cos, sin, masks[layer.sliding], is_prompt, moe)
     return model._logits(h[:, p:])
+
+
+def layer_forward(
+    model: DiffusionGemma,
+    layer: Layer,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor,
+    is_prompt: torch.Tensor,
+    moe: str,
+) -> torch.Tensor:
+    """One layer over the joint [prompt | canvas] stream h [B, T, hidden]."""
+    b, t, _ = h.shape
+    eps = model.cfg.rms_norm_eps
+    x = ops.rms_norm(h, layer.input_layernorm, eps)
+    q, k, v = _qkv(layer, x, cos, sin, eps)
+    attn = ops.attention(q, k, v, mask)  # [B, H, T, d]
+    attn = F.linear(attn.transpose(1, 2).reshape(b, t, -1), layer.o_proj.to(h.dtype))
+    h = h + ops.rms_norm(attn, layer.post_attention_layernorm, eps)
+    h = h + _ffn(model, layer, h.reshape(b * t, -1), moe).view(b, t, -1)
+    scalar = torch.where(is_prompt, layer.encoder_layer_scalar, layer.layer_scalar)
+    return h * scalar.to(h.dtype)
+
+
+_COMPILED = None
+
+
+def compiled_layer():
+    """`layer_forward` through torch.compile, one compile for every layer of a type and any batch shape (the
+    step's elementwise work, unfused, is most of the demo trainer's GPU time)."""
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(layer_forward, dynamic=True)
+    return _COMPILED
