@@ -320,6 +320,11 @@ class Prefetcher:
             self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+def set_compile(on: bool) -> None:
+    global COMPILE_ON_CUDA
+    COMPILE_ON_CUDA = on
+
+
 # -- the step ---------------------------------------------------------------------------------------------
 
 
@@ -376,7 +381,8 @@ def step_choices(rng: random.Random, cfg: TrainConfig) -> tuple[bool, bool, floa
 
 
 def step_body(model, opt, micro: list[Batch], sc: bool, seed_first: bool, temp, cfg: TrainConfig, autocast):
-    """One optimizer step over device-resident microbatches; returns (loss, content_loss, content_acc)."""
+    """One optimizer step over device-resident microbatches; returns (loss, content_loss, content_acc,
+    skipped, grad_norm). A step whose gradient is not finite is skipped: no update, zero stats."""
     n_rows = sum(b.prompt.shape[0] for b in micro)
     opt.zero_grad(set_to_none=True)
     total = None
@@ -386,9 +392,15 @@ def step_body(model, opt, micro: list[Batch], sc: bool, seed_first: bool, temp, 
         (loss * rows / n_rows).backward()
         part = stats * (rows / n_rows)
         total = part if total is None else total + part
-    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    opt.step()
-    return total
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    finite = torch.isfinite(norm)
+    if opt.defaults.get("fused"):
+        opt.found_inf = (~finite).float()  # the fused AdamW skips the update on the device (graph-safe)
+        opt.step()
+    elif finite:
+        opt.step()
+    ok = finite.float()
+    return torch.cat([torch.nan_to_num(total) * ok, (1 - ok)[None], torch.nan_to_num(norm)[None] * ok])
 
 
 def param_groups(model, weight_decay: float):
@@ -556,7 +568,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     workers = max(0, min(6, (os.cpu_count() or 1) - 4)) if graphs else 0
     prefetch = Prefetcher(cfg, tok, start, cfg.steps, pin=graphs, workers=workers)
     rng = random.Random(f"{cfg.seed}:train:{start}")
-    sums: torch.Tensor | None = None  # running (loss, content_loss, content_acc), kept on the device
+    sums: torch.Tensor | None = None  # running step_body stats, kept on the device
     n_acc = 0
     data_wait = 0.0  # seconds the loop waited for batches (the data workers falling behind)
     step = start
@@ -600,15 +612,26 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             n_acc += 1
             step += 1
             if step % cfg.log_every == 0 or step == total:
-                loss, content_loss, content_acc = (sums / n_acc).tolist()  # the only host sync
+                total_stats = sums.tolist()  # the only host sync
+                skipped = int(round(total_stats[3]))
+                loss, content_loss, content_acc, _, grad_norm = (
+                    x / max(1, n_acc - skipped) for x in total_stats
+                )
                 row = {"loss": loss, "content_loss": content_loss, "content_acc": content_acc}
                 row.update(step=step, lr=lr, seconds=time.time() - t_start, data_wait=data_wait)
+                row.update(grad_norm=grad_norm, skipped=skipped)
                 log.append(row)
                 print(
                     f"step {step:5d}  loss {row['loss']:.4f}  reply-loss {row['content_loss']:.4f}  "
-                    f"reply-acc {row['content_acc']:.3f}  lr {lr:.2e}  {row['seconds']:.0f}s (data wait {data_wait:.0f}s)",
+                    f"reply-acc {row['content_acc']:.3f}  grad-norm {grad_norm:.2f}  lr {lr:.2e}  "
+                    f"{row['seconds']:.0f}s (data wait {data_wait:.0f}s)"
+                    + (f"  SKIPPED {skipped} non-finite steps" if skipped else ""),
                     flush=True,
                 )
+                if skipped == n_acc and graphed is not None and COMPILE_ON_CUDA:
+                    print("every step of the interval was non-finite: eager layers from here", flush=True)
+                    set_compile(False)
+                    graphed = None  # recaptured with eager layers
                 sums, n_acc = None, 0
             if cfg.ckpt_every and step % cfg.ckpt_every == 0 and step < total:
                 save(step, final=False)
