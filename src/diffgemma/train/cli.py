@@ -11,7 +11,7 @@ from diffgemma.train import data
 
 
 def train_main(argv: list[str] | None = None) -> dict:
-    from diffgemma.train.trainer import PRESETS, TrainConfig, train
+    from diffgemma.train.trainer import PRESETS, TrainConfig, task_weights, train
 
     d = TrainConfig(out="")
     ap = argparse.ArgumentParser(
@@ -26,6 +26,9 @@ def train_main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--resume", action="store_true", help="continue from OUT/train_state")
     ap.add_argument(
         "--init", default="", help="fine-tune from this checkpoint directory (weights + tokenizer)"
+    )
+    ap.add_argument(
+        "--mix", default="", help='task weights over the default mix, e.g. "arith=0.3,retrieval_short=0.2"'
     )
     ap.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:1 ...")
     ap.add_argument("--seed", type=int, default=d.seed)
@@ -64,7 +67,12 @@ def train_main(argv: list[str] | None = None) -> dict:
         max_shard_mb=a.max_shard_mb,
         resume=a.resume,
         init=a.init,
+        mix=a.mix,
     )
+    try:
+        task_weights(cfg.mix)
+    except ValueError as e:
+        ap.error(str(e))
     summary = train(cfg)
     print(json.dumps(summary, indent=2))
     if a.eval_n > 0:

@@ -3,8 +3,7 @@
 Seven tasks, each rendered with `render_gemma4` (prompt) plus the exact reply text the model must write:
 
     arith        "What is 17 + 25?"                      -> "17 + 25 = 42<turn|>"
-    retrieval    30-48 "- KEY: WORD" lines (longer than the sliding window; training also has shorter lists),
-                 "What is the code word for KEY?"
+    retrieval    30-48 "- KEY: WORD" lines (longer than the sliding window), "What is the code word for KEY?"
                  -> "The code word for KEY is WORD.<turn|>"
     long         "Count from 37 to 55."                  -> "37, 38, ..., 55<turn|>" (2-4 canvas blocks)
     tool_call    a request that needs one of the declared tools -> '<|tool_call>call:NAME{...}<tool_call|><|tool_response>'
@@ -29,22 +28,23 @@ from diffgemma.chat.template import render_gemma4
 from diffgemma.chat.toolcall import format_call
 
 TASKS = ("arith", "retrieval", "long", "tool_call", "tool_answer", "think", "yesno")
+# Training only: retrieval from 2-16 lines (mostly inside the window). Few candidates give the lookup a strong
+# gradient: with 30-48 lines only, 3k steps left retrieval at 6% (the model answered a frequent code word); a
+# small model trained on 2-8 lines alone started to find the asked line after ~1k steps of batch 32.
+TRAIN_TASKS = TASKS + ("retrieval_short",)
 # Share of each task in a training batch. The two hard targets (arithmetic, retrieval) get most of it: runs
 # with arith 0.28 / tool_call 0.16 reached 100% on tool calls and answers but 50% on arithmetic. Arithmetic
 # prompts are also the cheapest (~26 tokens against ~250 for retrieval and tool prompts).
 TASK_WEIGHTS = {
     "arith": 0.38,
-    "retrieval": 0.35,
+    "retrieval": 0.23,
+    "retrieval_short": 0.12,
     "long": 0.04,
     "tool_call": 0.07,
     "tool_answer": 0.04,
     "think": 0.05,
     "yesno": 0.07,
 }
-# Share of the training retrieval lists that are short (2-29 lines, mostly inside the window); held-out lists
-# are always 30-48 lines. Few candidates give the lookup a strong gradient early: with 30-48 lines only, 3k
-# steps left retrieval at 6% (the model answered a frequent code word).
-RETRIEVAL_SHORT = 0.35
 HELDOUT_BUCKETS = 10  # 1 in 10 identities is held out
 TURN_END = "<turn|>"
 TOOL_RESPONSE = "<|tool_response>"
@@ -295,8 +295,8 @@ def _retrieval(rng: random.Random, lines: tuple[int, int] = (30, 48)) -> Example
     n = rng.randint(*lines)
     keys = rng.sample(ANIMALS + OBJECTS, n)
     vals = [rng.choice(CODE_WORDS) for _ in keys]
-    lines = "\n".join(f"- {k}: {v}" for k, v in zip(keys, vals, strict=True))
-    i = rng.randrange(n)
+    lines_text = "\n".join(f"- {k}: {v}" for k, v in zip(keys, vals, strict=True))
+    i = rng.randrange(len(keys))
     q = rng.choice(
         (
             "What is the code word for {k}?",
@@ -304,12 +304,11 @@ def _retrieval(rng: random.Random, lines: tuple[int, int] = (30, 48)) -> Example
             "Tell me the code word for {k}.",
         )
     )
-    user = f"Here is a list of code words.\n{lines}\n{q.format(k=keys[i])}"
+    user = f"Here is a list of code words.\n{lines_text}\n{q.format(k=keys[i])}"
     prompt = render_gemma4(_messages(rng, user))
     target = f"The code word for {keys[i]} is {vals[i]}.{TURN_END}"
-    return Example(
-        "retrieval", prompt, target, prompt, {"key": keys[i], "value": vals[i], "index": i, "n": n}
-    )
+    meta = {"key": keys[i], "value": vals[i], "index": i, "n": n}
+    return Example("retrieval", prompt, target, prompt, meta)
 
 
 def _long(rng: random.Random) -> Example:
@@ -432,6 +431,7 @@ def _yesno(rng: random.Random) -> Example:
 MAKERS = {
     "arith": _arith,
     "retrieval": _retrieval,
+    "retrieval_short": lambda rng: _retrieval(rng, lines=(2, 16)),
     "long": _long,
     "tool_call": _tool_call,
     "tool_answer": _tool_answer,
@@ -444,10 +444,7 @@ def make_example(task: str, rng: random.Random, split: str = "train") -> Example
     """One example of `task` from the given split ("train" or "heldout")."""
     want_heldout = split == "heldout"
     for _ in range(10_000):
-        if task == "retrieval" and not want_heldout and rng.random() < RETRIEVAL_SHORT:
-            ex = _retrieval(rng, lines=(2, 29))
-        else:
-            ex = MAKERS[task](rng)
+        ex = MAKERS[task](rng)
         if is_heldout(ex.identity) == want_heldout:
             return ex
     raise RuntimeError(f"could not draw a {split} example of {task}")

@@ -100,6 +100,7 @@ class TrainConfig:
     max_shard_mb: float = 0.0  # shard model.safetensors above this size (0 = one file)
     resume: bool = False
     init: str = ""  # start from this checkpoint's weights and tokenizer (fine-tuning) instead of a fresh init
+    mix: str = ""  # task weights over data.TASK_WEIGHTS, "task=weight,..."
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -142,7 +143,7 @@ def model_config(cfg: TrainConfig, vocab: int) -> dict[str, Any]:
 # (`graphed.py`). Eager steps, bound by kernel launches, ran at 0.65 s a step at batch 1024 on an H200.
 BUCKETS: tuple[tuple[tuple[str, ...], int], ...] = (
     (("arith", "think", "yesno", "long"), 160),
-    (("retrieval",), 320),
+    (("retrieval", "retrieval_short"), 320),
     (("tool_call", "tool_answer"), 416),
 )
 
@@ -163,11 +164,30 @@ class Batch:
         return Batch(*(t.to(device, non_blocking=nb) for t in self.tensors()))
 
 
-def bucket_rows(batch: int) -> list[int]:
+def task_weights(mix: str) -> dict[str, float]:
+    """`data.TASK_WEIGHTS` with the overrides of a "task=weight,..." string."""
+    weights = dict(data.TASK_WEIGHTS)
+    for item in filter(None, mix.split(",")):
+        task, _, w = item.partition("=")
+        if task not in weights:
+            raise ValueError(f"--mix: unknown task {task!r}; choose from {', '.join(weights)}")
+        try:
+            weights[task] = float(w)
+        except ValueError:
+            raise ValueError(f"--mix: {item!r} is not task=weight") from None
+        if weights[task] < 0:
+            raise ValueError(f"--mix: weight of {task} is negative")
+    if not sum(weights.values()) > 0:
+        raise ValueError("--mix: every task weight is 0")
+    return weights
+
+
+def bucket_rows(batch: int, weights: dict[str, float]) -> list[int]:
     """Rows of each bucket in a batch, by the buckets' task weights."""
-    shares = [sum(data.TASK_WEIGHTS[t] for t in tasks) for tasks, _ in BUCKETS]
-    rows = [max(1, round(batch * s / sum(shares))) for s in shares]
-    rows[0] += batch - sum(rows)
+    shares = [sum(weights[t] for t in tasks) for tasks, _ in BUCKETS]
+    rows = [max(1, round(batch * s / sum(shares))) if s > 0 else 0 for s in shares]
+    first = next(i for i, s in enumerate(shares) if s > 0)
+    rows[first] += batch - sum(rows)
     return rows
 
 
@@ -224,8 +244,11 @@ def batches_for_step(cfg: TrainConfig, tok: Tokenizer, step: int) -> list[Batch]
     """The step's examples, one fixed-shape microbatch per bucket (deterministic in (seed, step))."""
     rng = random.Random(f"{cfg.seed}:batch:{step}")
     out = []
-    for b, ((tasks, length), n) in enumerate(zip(BUCKETS, bucket_rows(cfg.batch), strict=True)):
-        weights = {t: data.TASK_WEIGHTS[t] for t in tasks}
+    mix = task_weights(cfg.mix)
+    for b, ((tasks, length), n) in enumerate(zip(BUCKETS, bucket_rows(cfg.batch, mix), strict=True)):
+        if n == 0:
+            continue
+        weights = {t: mix[t] for t in tasks}
         rows: list = []
         draw = 0
         while len(rows) < n:  # the rare context longer than its bucket (a late split) is drawn again
@@ -482,6 +505,7 @@ def plot_losses(out: Path, log: list[dict[str, Any]]) -> Path | None:
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train (or resume) into cfg.out; returns a summary dict."""
     t_start = time.time()
+    task_weights(cfg.mix)  # a bad --mix fails here, not in the data workers
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.device)
