@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import random
 
+import pytest
 import torch
 
 import diffgemma
 from diffgemma.train import data
 from diffgemma.train.tokenizer import demo_tokenizer
-from diffgemma.train.trainer import TrainConfig, train
+from diffgemma.train.trainer import TrainConfig, bucket_rows, task_weights, train
 
 
 def test_corpus_is_deterministic_and_heldout_is_disjoint():
@@ -87,3 +90,39 @@ def test_tiny_training_run_lowers_loss_and_loads(tmp_path):
     again = diffgemma.load(out, device="cpu")
     changed = any(not torch.equal(p, trained[n]) for n, p in again.model.named_parameters())
     assert changed
+
+
+def test_task_mix_overrides_weights_and_rejects_bad_input():
+    w = task_weights("retrieval_short=0.5,arith=0")
+    assert w["retrieval_short"] == 0.5 and w["arith"] == 0.0 and w["yesno"] == data.TASK_WEIGHTS["yesno"]
+    rows = bucket_rows(64, task_weights("tool_call=0,tool_answer=0"))
+    assert sum(rows) == 64 and rows[2] == 0  # an empty bucket gets no rows, not one
+    for bad, msg in (("foo=1", "unknown task"), ("arith", "not task=weight"), ("arith=-1", "negative")):
+        with pytest.raises(ValueError, match=msg):
+            task_weights(bad)
+    zero = ",".join(f"{t}=0" for t in data.TASK_WEIGHTS)
+    with pytest.raises(ValueError, match="every task weight is 0"):
+        task_weights(zero)
+    short = data.make_example("retrieval_short", random.Random(0))
+    assert short.task == "retrieval" and 2 <= short.meta["n"] <= 16
+
+
+def test_non_finite_step_is_skipped():
+    """A step whose gradient is NaN leaves the weights and the optimizer state untouched."""
+    from diffgemma.train import checkpoint as ckpt
+    from diffgemma.train import trainer
+
+    tok = demo_tokenizer(data.tokenizer_corpus(200), vocab_size=512)
+    cfg = TrainConfig(out="", preset="tiny", batch=6, vocab_size=512, canvas_length=16)
+    model = ckpt.build_model(trainer.model_config(cfg, tok.get_vocab_size()), 0, "cpu")
+    opt = torch.optim.AdamW(trainer.param_groups(model, 0.05), lr=1e-3)
+    micro = trainer.batches_for_step(cfg, tok, 0)
+    stats = trainer.step_body(model, opt, micro, False, True, 1.0, cfg, contextlib.nullcontext)
+    assert stats[3] == 0 and stats[0] > 0  # a normal step: not skipped, a loss
+    with torch.no_grad():
+        model.embed[5] = float("nan")  # through the tied head, every logit row and so the loss turn NaN
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    stats = trainer.step_body(model, opt, micro, False, True, 1.0, cfg, contextlib.nullcontext)
+    assert stats[3] == 1 and torch.isfinite(stats).all()
+    for n, p in model.named_parameters():
+        assert torch.allclose(p, before[n], rtol=0, atol=0, equal_nan=True), n

@@ -23,7 +23,8 @@ fixed, easily predicted filler lets a finished block stop after a few steps inst
 pad rows are down-weighted (`pad_weight`) so that the few content tokens dominate the loss.
 
 AdamW (betas 0.9/0.95, weight decay on matrices only) with linear warm-up and cosine decay to 10% of the peak,
-gradient clipping at 1.0, bf16 autocast on CUDA (fp32 master weights). Checkpoints are written in the real
+gradient clipping at 1.0 (a step whose gradient is not finite is skipped), bf16 autocast on CUDA (fp32 master
+weights), the layers through torch.compile on CUDA. Checkpoints are written in the real
 on-disk format (bf16) and training resumes from `train_state/`.
 """
 
@@ -598,15 +599,23 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     step = start
     total = cfg.steps
     t_loop = time.time()
+    # A time-limited run's cosine follows elapsed time, so that it fully decays by the limit; its clock starts
+    # once the one-off startup work is done (torch.compile and the four graph captures took ~2 minutes on an
+    # H200, which a clock started at the first step spent at the peak learning rate's expense).
+    t_sched: float | None = None
     try:
         model.train()
         while step < total:
-            if cfg.time_limit and time.time() - t_loop > cfg.time_limit:
+            now = time.time()
+            if cfg.time_limit and now - t_loop > cfg.time_limit:
                 print(f"time limit reached at step {step}", flush=True)
                 break
+            if t_sched is None and (len(graphed.graphs) == 4 if graphs and graphed else step > start):
+                t_sched = now
+                print(f"startup done after {now - t_loop:.0f}s (step {step})", flush=True)
             progress = None
-            if cfg.time_limit:  # the cosine follows elapsed time too, so a time-limited run fully decays
-                progress = max(step / total, (time.time() - t_loop) / cfg.time_limit)
+            if cfg.time_limit and t_sched is not None:
+                progress = max(step / total, (now - t_sched) / max(1.0, cfg.time_limit - (t_sched - t_loop)))
             lr = lr_at(cfg, step, total, progress)
             for g in opt.param_groups:
                 if isinstance(g["lr"], torch.Tensor):  # capturable AdamW: the graphs read it on the device
