@@ -634,11 +634,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     graphed = GraphedStep(model, opt, cfg, micro, device, autocast)
                 try:
                     stats = graphed(micro, *choices)
-                except Exception as e:  # noqa: BLE001 - a failed capture: eager steps from here on, loudly
+                except Exception as e:  # noqa: BLE001 - a failed compile or capture: eager from here, loudly
                     print(
-                        f"CUDA graph step failed ({type(e).__name__}: {e}); eager steps from here", flush=True
+                        f"CUDA graph step failed ({type(e).__name__}: {e}); eager steps and layers from here",
+                        flush=True,
                     )
                     graphs = False
+                    set_compile(False)
             if stats is None:
                 stats = step_body(model, opt, [b.to(device) for b in micro], *choices, cfg, autocast)
             sums = stats if sums is None else sums + stats
