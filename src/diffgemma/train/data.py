@@ -28,16 +28,14 @@ from diffgemma.chat.template import render_gemma4
 from diffgemma.chat.toolcall import format_call
 
 TASKS = ("arith", "retrieval", "long", "tool_call", "tool_answer", "think", "yesno")
-# Training only: retrieval from 2-16 lines (mostly inside the window). Few candidates give the lookup a strong
-# gradient: with 30-48 lines only, 3k steps left retrieval at 6% (the model answered a frequent code word); a
-# small model trained on 2-8 lines alone started to find the asked line after ~1k steps of batch 32.
-TRAIN_TASKS = TASKS + ("retrieval_short",)
 # Share of each task in a training batch. The two hard targets (arithmetic, retrieval) get most of it: runs
 # with arith 0.28 / tool_call 0.16 reached 100% on tool calls and answers but 50% on arithmetic. Arithmetic
 # prompts are also the cheapest (~26 tokens against ~250 for retrieval and tool prompts).
 TASK_WEIGHTS = {
     "arith": 0.38,
     "retrieval": 0.23,
+    # Training only: retrieval from 2-16 lines (mostly inside the window), where few candidates give the lookup a
+    # stronger gradient. With 30-48 lines only, 3k steps left retrieval at 6% (a frequent code word answered).
     "retrieval_short": 0.12,
     "long": 0.04,
     "tool_call": 0.07,
@@ -296,7 +294,7 @@ def _retrieval(rng: random.Random, lines: tuple[int, int] = (30, 48)) -> Example
     keys = rng.sample(ANIMALS + OBJECTS, n)
     vals = [rng.choice(CODE_WORDS) for _ in keys]
     lines_text = "\n".join(f"- {k}: {v}" for k, v in zip(keys, vals, strict=True))
-    i = rng.randrange(len(keys))
+    i = rng.randrange(n)
     q = rng.choice(
         (
             "What is the code word for {k}?",
