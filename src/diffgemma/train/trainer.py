@@ -280,7 +280,8 @@ def _worker_batches(cfg: TrainConfig, step: int) -> list[tuple]:
 
 class Prefetcher:
     """Builds the next steps' batches in the background: on a thread, or (`workers` > 0) in worker processes,
-    in step order. One Python thread builds a batch-256 step in ~65 ms, close to a graphed step's time."""
+    in step order. One Python thread built a batch-256 step in 38 ms on the H200's host, as long as a compiled,
+    graphed step takes."""
 
     def __init__(
         self,
