@@ -12,7 +12,7 @@ import torch
 import diffgemma
 from diffgemma.train import data
 from diffgemma.train.tokenizer import demo_tokenizer
-from diffgemma.train.trainer import TrainConfig, bucket_rows, task_weights, train
+from diffgemma.train.trainer import TrainConfig, bucket_rows, retrieval_cap, task_weights, train
 
 
 def test_corpus_is_deterministic_and_heldout_is_disjoint():
@@ -27,6 +27,20 @@ def test_corpus_is_deterministic_and_heldout_is_disjoint():
         assert e.prompt.startswith("<bos>") and e.target.endswith(("<turn|>", "<|tool_response>"))
     arith = next(e for e in data.generate(50, 1, tasks={"arith": 1.0}))
     assert str(arith.meta["result"]) in arith.answer
+
+
+def test_retrieval_curriculum_caps_list_lengths_then_ends():
+    cfg = TrainConfig(out="x", curriculum_steps=4000)
+    assert [retrieval_cap(cfg, s) for s in (0, 399, 400, 3999, 4000)] == [2, 2, 3, 11, None]
+    assert retrieval_cap(TrainConfig(out="x", curriculum_steps=0), 0) is None
+    both = {"retrieval": 1.0, "retrieval_short": 1.0}
+    capped = data.generate(60, seed=3, tasks=both, max_lines=5)
+    assert {e.task for e in capped} == {"retrieval"} and {e.meta["n"] for e in capped} <= {2, 3, 4, 5}
+    assert max(e.meta["n"] for e in capped) == 5  # the long task is drawn at the cap
+    full = data.generate(60, seed=3, tasks={"retrieval": 1.0})
+    assert min(e.meta["n"] for e in full) >= 30
+    other = data.generate(20, seed=3, tasks={"arith": 1.0}, max_lines=2)
+    assert other == data.generate(20, seed=3, tasks={"arith": 1.0})  # other tasks ignore the cap
 
 
 def test_demo_tokenizer_keeps_special_ids_and_splits_digits():

@@ -38,6 +38,12 @@ def train_main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--vocab-size", type=int, default=d.vocab_size)
     ap.add_argument("--sc-prob", type=float, default=d.sc_prob)
     ap.add_argument("--pad-weight", type=float, default=d.pad_weight)
+    ap.add_argument(
+        "--curriculum-steps",
+        type=int,
+        default=d.curriculum_steps,
+        help="cap retrieval lists at 2 + step // 400 lines before this step (0 = off)",
+    )
     ap.add_argument("--time-limit", type=float, default=0.0, help="stop cleanly after this many seconds")
     ap.add_argument("--log-every", type=int, default=d.log_every)
     ap.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
@@ -68,6 +74,7 @@ def train_main(argv: list[str] | None = None) -> dict:
         resume=a.resume,
         init=a.init,
         mix=a.mix,
+        curriculum_steps=a.curriculum_steps,
     )
     try:
         task_weights(cfg.mix)

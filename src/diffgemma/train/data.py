@@ -426,10 +426,12 @@ def _yesno(rng: random.Random) -> Example:
     return Example("yesno", prompt, ("Yes" if yes else "No") + TURN_END, f"yesno:{q}", {"yes": yes})
 
 
+# List lengths of the two retrieval tasks; a training curriculum may cap them (`make_example(max_lines=...)`).
+RETRIEVAL_LINES = {"retrieval": (30, 48), "retrieval_short": (2, 16)}
 MAKERS = {
     "arith": _arith,
     "retrieval": _retrieval,
-    "retrieval_short": lambda rng: _retrieval(rng, lines=(2, 16)),
+    "retrieval_short": lambda rng: _retrieval(rng, lines=RETRIEVAL_LINES["retrieval_short"]),
     "long": _long,
     "tool_call": _tool_call,
     "tool_answer": _tool_answer,
@@ -438,23 +440,36 @@ MAKERS = {
 }
 
 
-def make_example(task: str, rng: random.Random, split: str = "train") -> Example:
-    """One example of `task` from the given split ("train" or "heldout")."""
+def make_example(
+    task: str, rng: random.Random, split: str = "train", max_lines: int | None = None
+) -> Example:
+    """One example of `task` from the given split ("train" or "heldout"); `max_lines` caps retrieval lists."""
     want_heldout = split == "heldout"
+    maker = MAKERS[task]
+    if max_lines is not None and task in RETRIEVAL_LINES:
+        lo, hi = RETRIEVAL_LINES[task]
+        hi = max(2, min(hi, max_lines))
+        maker = lambda r: _retrieval(r, lines=(min(lo, hi), hi))  # noqa: E731
     for _ in range(10_000):
-        ex = MAKERS[task](rng)
+        ex = maker(rng)
         if is_heldout(ex.identity) == want_heldout:
             return ex
     raise RuntimeError(f"could not draw a {split} example of {task}")
 
 
-def generate(n: int, seed: int, split: str = "train", tasks: dict[str, float] | None = None) -> list[Example]:
-    """n examples, tasks drawn by weight; deterministic for (n, seed, split)."""
+def generate(
+    n: int,
+    seed: int,
+    split: str = "train",
+    tasks: dict[str, float] | None = None,
+    max_lines: int | None = None,
+) -> list[Example]:
+    """n examples, tasks drawn by weight; deterministic for (n, seed, split, max_lines)."""
     weights = tasks or TASK_WEIGHTS
     rng = random.Random(f"{seed}:{split}")
     names = list(weights)
     w = [weights[t] for t in names]
-    return [make_example(rng.choices(names, w)[0], rng, split) for _ in range(n)]
+    return [make_example(rng.choices(names, w)[0], rng, split, max_lines) for _ in range(n)]
 
 
 def heldout_set(n_per_task: int, seed: int = 1234, tasks: tuple[str, ...] = TASKS) -> list[Example]:
