@@ -42,7 +42,7 @@ def train_main(argv: list[str] | None = None) -> dict:
         "--curriculum-steps",
         type=int,
         default=d.curriculum_steps,
-        help="cap retrieval lists at 2 + step // 400 lines before this step (0 = off)",
+        help="cap retrieval lists at 2 + step // 400 lines before this step (0 = off, the default)",
     )
     ap.add_argument("--time-limit", type=float, default=0.0, help="stop cleanly after this many seconds")
     ap.add_argument("--log-every", type=int, default=d.log_every)

@@ -102,7 +102,7 @@ class TrainConfig:
     resume: bool = False
     init: str = ""  # start from this checkpoint's weights and tokenizer (fine-tuning) instead of a fresh init
     mix: str = ""  # task weights over data.TASK_WEIGHTS, "task=weight,..."
-    curriculum_steps: int = 4000  # retrieval lists capped at 2 + step // 400 lines before this step (0 = off)
+    curriculum_steps: int = 0  # retrieval lists capped at 2 + step // 400 lines before this step (0 = off)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -247,7 +247,9 @@ def collate(rows, length: int) -> Batch:
 # formed only with 256 retrieval rows a step AND lists grown from 2 lines by one line every 400 steps: the
 # 2-8-line probe went 0.43 -> 1.00 between steps 2000 and 3000. At 64 rows a step, the same curriculum, fixed
 # 2-24-line lists, 2-line lists only, an AR loss on the encoder, other inits and learning rates all stayed at
-# chance (0.3-0.4). Batch 256 without the curriculum was not run.
+# chance (0.3-0.4). Batch 256 without the curriculum was not run. It is off by default: the one demo-model run
+# with it (full task mix, 192 retrieval rows a step, 5.5k steps) did not form the lookup (retrieval 6%).
+# docs/train/retrieval_sweep/ has the sweep.
 STEPS_PER_LINE = 400
 
 
