@@ -121,6 +121,20 @@ def test_task_mix_overrides_weights_and_rejects_bad_input():
     assert short.task == "retrieval" and 2 <= short.meta["n"] <= 16
 
 
+def test_train_cli_rejects_bad_options_in_one_line(tmp_path, capsys):
+    from diffgemma.train.cli import train_main
+
+    for args, msg in (
+        (["--curriculum-steps", "-1"], "--curriculum-steps must be >= 0, got -1"),
+        (["--mix", "foo=1"], "unknown task 'foo'"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            train_main(["--out", str(tmp_path / "o"), *args])
+        assert e.value.code == 2
+        assert msg in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # nothing was written
+
+
 def test_non_finite_step_is_skipped():
     """A step whose gradient is NaN leaves the weights and the optimizer state untouched."""
     from diffgemma.train import checkpoint as ckpt

@@ -80,6 +80,8 @@ def train_main(argv: list[str] | None = None) -> dict:
         task_weights(cfg.mix)
     except ValueError as e:
         ap.error(str(e))
+    if cfg.curriculum_steps < 0:
+        ap.error(f"--curriculum-steps must be >= 0, got {cfg.curriculum_steps}")
     summary = train(cfg)
     print(json.dumps(summary, indent=2))
     if a.eval_n > 0:
