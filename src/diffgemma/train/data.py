@@ -22,6 +22,7 @@ import hashlib
 import json
 import random
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from diffgemma.chat.template import render_gemma4
@@ -286,7 +287,7 @@ def _arith(rng: random.Random) -> Example:
     return Example("arith", prompt, f"{a} {op} {b} = {c}{TURN_END}", f"arith:{a}{op}{b}", {"result": c})
 
 
-def _retrieval(rng: random.Random, lines: tuple[int, int] = (30, 48)) -> Example:
+def _retrieval(rng: random.Random, lines: tuple[int, int]) -> Example:
     # Each key and value is one word with its leading space, so the list, the question and the answer spell
     # them with the same tokens: the model must find the line, not also learn that "dog" and " dog" are one
     # word. (A first design, "dog: 744" lines answered "744", stayed at 0% after 15 minutes of training.)
@@ -430,8 +431,8 @@ def _yesno(rng: random.Random) -> Example:
 RETRIEVAL_LINES = {"retrieval": (30, 48), "retrieval_short": (2, 16)}
 MAKERS = {
     "arith": _arith,
-    "retrieval": _retrieval,
-    "retrieval_short": lambda rng: _retrieval(rng, lines=RETRIEVAL_LINES["retrieval_short"]),
+    "retrieval": partial(_retrieval, lines=RETRIEVAL_LINES["retrieval"]),
+    "retrieval_short": partial(_retrieval, lines=RETRIEVAL_LINES["retrieval_short"]),
     "long": _long,
     "tool_call": _tool_call,
     "tool_answer": _tool_answer,
@@ -449,7 +450,7 @@ def make_example(
     if max_lines is not None and task in RETRIEVAL_LINES:
         lo, hi = RETRIEVAL_LINES[task]
         hi = max(2, min(hi, max_lines))
-        maker = lambda r: _retrieval(r, lines=(min(lo, hi), hi))  # noqa: E731
+        maker = partial(_retrieval, lines=(min(lo, hi), hi))
     for _ in range(10_000):
         ex = maker(rng)
         if is_heldout(ex.identity) == want_heldout:
