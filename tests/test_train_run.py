@@ -34,9 +34,10 @@ def test_retrieval_curriculum_caps_list_lengths_then_ends():
     assert [retrieval_cap(cfg, s) for s in (0, 399, 400, 3999, 4000)] == [2, 2, 3, 11, None]
     assert retrieval_cap(TrainConfig(out="x", curriculum_steps=0), 0) is None
     both = {"retrieval": 1.0, "retrieval_short": 1.0}
-    capped = data.generate(60, seed=3, tasks=both, max_lines=5)
-    assert {e.task for e in capped} == {"retrieval"} and {e.meta["n"] for e in capped} <= {2, 3, 4, 5}
-    assert max(e.meta["n"] for e in capped) == 5  # the long task is drawn at the cap
+    capped = data.generate(200, seed=3, tasks=both, max_lines=5)
+    assert {e.task for e in capped} == {"retrieval"}
+    assert {e.meta["n"] for e in capped} == {2, 3, 4, 5}  # 2..cap lines, the long task included
+    assert {e.meta["n"] for e in data.generate(50, seed=3, tasks={"retrieval": 1.0}, max_lines=3)} == {2, 3}
     full = data.generate(60, seed=3, tasks={"retrieval": 1.0})
     assert min(e.meta["n"] for e in full) >= 30
     other = data.generate(20, seed=3, tasks={"arith": 1.0}, max_lines=2)

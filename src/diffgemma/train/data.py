@@ -448,9 +448,8 @@ def make_example(
     want_heldout = split == "heldout"
     maker = MAKERS[task]
     if max_lines is not None and task in RETRIEVAL_LINES:
-        lo, hi = RETRIEVAL_LINES[task]
-        hi = max(2, min(hi, max_lines))
-        maker = partial(_retrieval, lines=(min(lo, hi), hi))
+        # Under the curriculum both tasks draw 2..cap lines, as in the sweep where the lookup formed.
+        maker = partial(_retrieval, lines=(2, max(2, min(RETRIEVAL_LINES[task][1], max_lines))))
     for _ in range(10_000):
         ex = maker(rng)
         if is_heldout(ex.identity) == want_heldout:

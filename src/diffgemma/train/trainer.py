@@ -243,13 +243,11 @@ def collate(rows, length: int) -> Batch:
 
 
 # Retrieval curriculum. The lookup (match the asked key against the key written before each code word) forms
-# as a sudden phase change. In a sweep on an H200 (a small model on retrieval alone, 3-8k steps a variant) it
-# formed only with 256 retrieval rows a step AND lists grown from 2 lines by one line every 400 steps: the
-# 2-8-line probe went 0.43 -> 1.00 between steps 2000 and 3000. At 64 rows a step, the same curriculum, fixed
-# 2-24-line lists, 2-line lists only, an AR loss on the encoder, other inits and learning rates all stayed at
-# chance (0.3-0.4). Batch 256 without the curriculum was not run. It is off by default: the one demo-model run
-# with it (full task mix, 192 retrieval rows a step, 5.5k steps) did not form the lookup (retrieval 6%).
-# docs/train/retrieval_sweep/ has the sweep.
+# as a sudden phase change. In a sweep on an H200 (a small model on retrieval alone) it formed only with 256
+# retrieval rows a step AND lists grown from 2 lines by one line every 400 steps (the 2-8-line probe went
+# 0.43 -> 1.00 between steps 2000 and 3000); batch 64 with the curriculum, or batch 256 without it, stayed at
+# chance. The bundled model's retrieval-only first stage uses it (the lookup formed at steps 2750-3250); with
+# the full task mix (192 retrieval rows a step) it did not form. Off by default. docs/train/ has the runs.
 STEPS_PER_LINE = 400
 
 
