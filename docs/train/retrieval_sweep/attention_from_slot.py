@@ -10,9 +10,10 @@ import sys
 from collections import defaultdict
 
 import torch
+from probe_by_length import noised_slot_batch  # this folder (the script's directory is on sys.path)
 from tokenizers import Tokenizer
 
-from diffgemma.train import data, forward, trainer
+from diffgemma.train import data, forward
 from diffgemma.weights.loader import load_model
 
 captured: list[torch.Tensor] = []
@@ -34,13 +35,13 @@ def token_at(offsets: list[tuple[int, int]], char: int) -> int:
 
 def main(model_dir: str, n: int) -> None:
     tok = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
-    is_id, colon_id = tok.token_to_id("Ġis"), tok.token_to_id(":")
+    colon_id = tok.token_to_id(":")
     model = load_model(model_dir, "cpu", torch.float32).eval()
     forward.ops.attention = attention_recording
     mass = defaultdict(list)  # (layer, head, near|far, what) -> attention masses
     for lines in (16, 32):
         rng = random.Random(3000 + lines)
-        for _ in range(n):
+        for i in range(n):
             ex = data._retrieval(rng, lines=(lines, lines))
             enc = tok.encode(ex.prompt, add_special_tokens=False)
             line = f"- {ex.meta['key']}: {ex.meta['value']}"
@@ -48,13 +49,9 @@ def main(model_dir: str, n: int) -> None:
             key_i = token_at(enc.offsets, start + 2)
             val_i = token_at(enc.offsets, start + line.index(": ") + 2)
             values = [i for i in range(1, len(enc.ids)) if enc.ids[i - 1] == colon_id]
-            rows = trainer.make_batch(tok, [ex], random.Random(1), 32, 0.25)
-            b = trainer.collate(rows, len(rows[0][0]))
-            p = b.prompt.shape[1]
+            b, canvas, slots = noised_slot_batch(tok, [ex], seed=1000 * lines + i)
+            p, slot = b.prompt.shape[1], int(slots[0])
             shift = p - len(enc.ids)  # left padding
-            canvas = b.target.clone()
-            slot = int((canvas[0] == is_id).float().argmax()) + 1
-            canvas[0, slot] = 7  # any token: the slot is noised
             captured.clear()
             with torch.no_grad():
                 forward.train_forward(model, b.prompt, b.mask, canvas)

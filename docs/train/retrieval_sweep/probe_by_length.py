@@ -22,20 +22,29 @@ LINES = (2, 4, 8, 12, 16, 24, 32, 40, 48)
 GEN_LINES = (2, 4, 8, 16, 32)
 
 
+def noised_slot_batch(
+    tok: Tokenizer, exs: list[data.Example], seed: int
+) -> tuple[trainer.Batch, torch.Tensor, torch.Tensor]:
+    """The examples as one batch, its canvases [B, C] clean but for the code-word slot (after "is"), noised;
+    returns (batch, canvases, slot index per row)."""
+    rows = trainer.make_batch(tok, exs, random.Random(1), 32, 0.25)
+    b = trainer.collate(rows, max(len(r[0]) for r in rows))
+    canvas = b.target.clone()
+    slot = (canvas == tok.token_to_id("Ġis")).float().argmax(1) + 1
+    noise = torch.randint(3, 2000, (len(exs),), generator=torch.Generator().manual_seed(seed))
+    canvas[torch.arange(len(exs)), slot] = noise
+    return b, canvas, slot
+
+
 def probe(model_dir: str, n: int) -> tuple[dict[int, float], dict[str, float]]:
     tok = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
-    is_id = tok.token_to_id("Ġis")  # the code word follows "... is"
     model = load_model(model_dir, "cpu", torch.float32).eval()
     by_lines, by_back = {}, defaultdict(list)
     for lines in LINES:
         rng = random.Random(1000 + lines)
         exs = [data._retrieval(rng, lines=(lines, lines)) for _ in range(n)]
-        rows = trainer.make_batch(tok, exs, random.Random(1), 32, 0.25)
-        b = trainer.collate(rows, max(len(r[0]) for r in rows))
-        canvas = b.target.clone()
-        slot = (canvas == is_id).float().argmax(1) + 1
+        b, canvas, slot = noised_slot_batch(tok, exs, seed=lines)
         rows_i = torch.arange(n)
-        canvas[rows_i, slot] = torch.randint(3, 2000, (n,), generator=torch.Generator().manual_seed(lines))
         with torch.no_grad():
             pred = train_forward(model, b.prompt, b.mask, canvas).argmax(-1)[rows_i, slot]
         ok = (pred == b.target[rows_i, slot]).tolist()
