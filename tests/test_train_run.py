@@ -13,6 +13,7 @@ import diffgemma
 from diffgemma.train import data
 from diffgemma.train.tokenizer import demo_tokenizer
 from diffgemma.train.trainer import TrainConfig, bucket_rows, retrieval_cap, task_weights, train
+from diffgemma.weights.download import bundled_model
 
 
 def test_corpus_is_deterministic_and_heldout_is_disjoint():
@@ -42,6 +43,33 @@ def test_retrieval_curriculum_caps_list_lengths_then_ends():
     assert min(e.meta["n"] for e in full) >= 30
     other = data.generate(20, seed=3, tasks={"arith": 1.0}, max_lines=2)
     assert other == data.generate(20, seed=3, tasks={"arith": 1.0})  # other tasks ignore the cap
+
+
+def test_retrieval_filler_puts_more_than_a_window_between_list_and_question():
+    from tokenizers import Tokenizer
+
+    demo = bundled_model()
+    tok = Tokenizer.from_file(str(demo / "tokenizer.json"))
+    window = json.loads((demo / "config.json").read_text())["text_config"]["sliding_window"]
+    exs = data.generate(40, seed=5, tasks={"retrieval_short": 1.0}, filler=0.5)
+    padded = [e for e in exs if "The " in e.prompt.split("code words.")[1]]
+    assert 5 < len(padded) < 35  # about half
+    for e in padded:
+        body = e.prompt.split("code words.\n")[1]
+        lines = body.split("\n")
+        assert len([ln for ln in lines if ln.startswith("- ")]) == e.meta["n"]
+        filler = lines[e.meta["n"]]
+        assert len(tok.encode(filler).ids) > window
+        words = set(filler.replace(".", "").split())
+        assert not words & set(data.ANIMALS + data.OBJECTS)  # no key in the filler
+        question = lines[e.meta["n"] + 1]
+        assert "code word" in question and f" {e.meta['key']}" in question
+        # the identity is the list without filler, so held-out lists never train with filler either
+        assert filler not in e.identity and not data.is_heldout(e.identity)
+    # filler 0 leaves the stream unchanged: the held-out set and the bundled recipe's batches are as before
+    assert data.generate(30, seed=5, tasks={"retrieval_short": 1.0}, filler=0.0) == data.generate(
+        30, seed=5, tasks={"retrieval_short": 1.0}
+    )
 
 
 def test_demo_tokenizer_keeps_special_ids_and_splits_digits():
@@ -128,6 +156,7 @@ def test_train_cli_rejects_bad_options_in_one_line(tmp_path, capsys):
     for args, msg in (
         (["--curriculum-steps", "-1"], "--curriculum-steps must be >= 0, got -1"),
         (["--mix", "foo=1"], "unknown task 'foo'"),
+        (["--retrieval-filler", "1.5"], "--retrieval-filler must be in [0, 1], got 1.5"),
     ):
         with pytest.raises(SystemExit) as e:
             train_main(["--out", str(tmp_path / "o"), *args])

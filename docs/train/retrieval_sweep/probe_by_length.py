@@ -1,7 +1,8 @@
 """How far a model's retrieval lookup reaches, on CPU: the code-word probe by list length and by the asked line's
 distance from the list's end, and generation exact match through the engine by list length.
 
-Run from the repository root: `python docs/train/retrieval_sweep/probe_by_length.py MODEL_DIR [N]`.
+Run from the repository root: `python docs/train/retrieval_sweep/probe_by_length.py MODEL_DIR [N]`. It probes
+twice: as the eval asks, and with a sliding window of filler between the list and the question.
 The probe noises only the answer's code-word slot of a clean reply and reads the argmax there.
 """
 
@@ -36,13 +37,13 @@ def noised_slot_batch(
     return b, canvas, slot
 
 
-def probe(model_dir: str, n: int) -> tuple[dict[int, float], dict[str, float]]:
+def probe(model_dir: str, n: int, filler: bool = False) -> tuple[dict[int, float], dict[str, float]]:
     tok = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
     model = load_model(model_dir, "cpu", torch.float32).eval()
     by_lines, by_back = {}, defaultdict(list)
     for lines in LINES:
         rng = random.Random(1000 + lines)
-        exs = [data._retrieval(rng, lines=(lines, lines)) for _ in range(n)]
+        exs = [data._retrieval(rng, lines=(lines, lines), filler=filler) for _ in range(n)]
         b, canvas, slot = noised_slot_batch(tok, exs, seed=lines)
         rows_i = torch.arange(n)
         with torch.no_grad():
@@ -79,4 +80,8 @@ if __name__ == "__main__":
     by_lines, by_back = probe(model_dir, n)
     print("probe by list lines:", json.dumps(by_lines))
     print("probe by lines from the list's end:", json.dumps(by_back))
+    # a window of filler between the list and the question: only the full-attention layers can answer
+    by_lines, by_back = probe(model_dir, n, filler=True)
+    print("with filler, probe by list lines:", json.dumps(by_lines))
+    print("with filler, by lines from the list's end:", json.dumps(by_back))
     print("generation exact match by list lines:", json.dumps(generation(model_dir, max(1, n * 40 // 128))))

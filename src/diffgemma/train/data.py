@@ -287,7 +287,20 @@ def _arith(rng: random.Random) -> Example:
     return Example("arith", prompt, f"{a} {op} {b} = {c}{TURN_END}", f"arith:{a}{op}{b}", {"result": c})
 
 
-def _retrieval(rng: random.Random, lines: tuple[int, int]) -> Example:
+# Filler between a training list and its question: 20 sentences, about 140 demo-tokenizer tokens, more than
+# the demo preset's 128-token sliding window, so only the full-attention layers can reach the list.
+FILLER_SENTENCES = 20
+
+
+def _filler(rng: random.Random) -> str:
+    """Sentences of fruit, cities and weather: no key and no code-word line, so nothing in it answers."""
+    return " ".join(
+        f"The {rng.choice(FRUITS)} in {rng.choice(CITIES)} is {rng.choice(CONDITIONS)}."
+        for _ in range(FILLER_SENTENCES)
+    )
+
+
+def _retrieval(rng: random.Random, lines: tuple[int, int], filler: bool = False) -> Example:
     # Each key and value is one word with its leading space, so the list, the question and the answer spell
     # them with the same tokens: the model must find the line, not also learn that "dog" and " dog" are one
     # word. (A first design, "dog: 744" lines answered "744", stayed at 0% after 15 minutes of training.)
@@ -303,11 +316,16 @@ def _retrieval(rng: random.Random, lines: tuple[int, int]) -> Example:
             "Tell me the code word for {k}.",
         )
     )
-    user = f"Here is a list of code words.\n{lines_text}\n{q.format(k=keys[i])}"
-    prompt = render_gemma4(_messages(rng, user))
+    msgs = _messages(rng, f"Here is a list of code words.\n{lines_text}\n{q.format(k=keys[i])}")
+    identity = render_gemma4(msgs)  # with or without filler, so a held-out list never trains
+    if filler:
+        msgs[-1]["content"] = (
+            f"Here is a list of code words.\n{lines_text}\n{_filler(rng)}\n{q.format(k=keys[i])}"
+        )
+    prompt = render_gemma4(msgs)
     target = f"The code word for {keys[i]} is {vals[i]}.{TURN_END}"
     meta = {"key": keys[i], "value": vals[i], "index": i, "n": n}
-    return Example("retrieval", prompt, target, prompt, meta)
+    return Example("retrieval", prompt, target, identity, meta)
 
 
 def _long(rng: random.Random) -> Example:
@@ -442,14 +460,25 @@ MAKERS = {
 
 
 def make_example(
-    task: str, rng: random.Random, split: str = "train", max_lines: int | None = None
+    task: str,
+    rng: random.Random,
+    split: str = "train",
+    max_lines: int | None = None,
+    filler: bool = False,
 ) -> Example:
-    """One example of `task` from the given split ("train" or "heldout"); `max_lines` caps retrieval lists."""
+    """One example of `task` from the given split ("train" or "heldout"); `max_lines` caps retrieval lists,
+    `filler` puts more than a sliding window of other text between a retrieval list and its question."""
     want_heldout = split == "heldout"
     maker = MAKERS[task]
-    if max_lines is not None and task in RETRIEVAL_LINES:
+    if task in RETRIEVAL_LINES and (max_lines is not None or filler):
         # Under the curriculum both tasks draw 2..cap lines, as in the sweep where the lookup formed.
-        maker = partial(_retrieval, lines=(2, max(2, min(RETRIEVAL_LINES[task][1], max_lines))))
+        hi = (
+            RETRIEVAL_LINES[task][1]
+            if max_lines is None
+            else max(2, min(RETRIEVAL_LINES[task][1], max_lines))
+        )
+        lo = 2 if max_lines is not None else RETRIEVAL_LINES[task][0]
+        maker = partial(_retrieval, lines=(lo, hi), filler=filler)
     for _ in range(10_000):
         ex = maker(rng)
         if is_heldout(ex.identity) == want_heldout:
@@ -463,13 +492,20 @@ def generate(
     split: str = "train",
     tasks: dict[str, float] | None = None,
     max_lines: int | None = None,
+    filler: float = 0.0,
 ) -> list[Example]:
-    """n examples, tasks drawn by weight; deterministic for (n, seed, split, max_lines)."""
+    """n examples, tasks drawn by weight, a `filler` share of retrieval examples with filler before the
+    question; deterministic for (n, seed, split, max_lines, filler)."""
     weights = tasks or TASK_WEIGHTS
     rng = random.Random(f"{seed}:{split}")
     names = list(weights)
     w = [weights[t] for t in names]
-    return [make_example(rng.choices(names, w)[0], rng, split, max_lines) for _ in range(n)]
+    out = []
+    for _ in range(n):
+        task = rng.choices(names, w)[0]
+        pad = filler > 0 and task in RETRIEVAL_LINES and rng.random() < filler
+        out.append(make_example(task, rng, split, max_lines, pad))
+    return out
 
 
 def heldout_set(n_per_task: int, seed: int = 1234, tasks: tuple[str, ...] = TASKS) -> list[Example]:

@@ -103,6 +103,7 @@ class TrainConfig:
     init: str = ""  # start from this checkpoint's weights and tokenizer (fine-tuning) instead of a fresh init
     mix: str = ""  # task weights over data.TASK_WEIGHTS, "task=weight,..."
     curriculum_steps: int = 0  # retrieval lists capped at 2 + step // 400 lines before this step (0 = off)
+    retrieval_filler: float = 0.0  # share of retrieval examples with a window of filler before the question
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -270,7 +271,9 @@ def batches_for_step(cfg: TrainConfig, tok: Tokenizer, step: int) -> list[Batch]
         draw = 0
         while len(rows) < n:  # the rare context longer than its bucket (a late split) is drawn again
             seed = ((cfg.seed * 1_000_003 + step) * 8 + b) * 1000 + draw
-            examples = data.generate(n - len(rows), seed=seed, tasks=weights, max_lines=cap)
+            examples = data.generate(
+                n - len(rows), seed=seed, tasks=weights, max_lines=cap, filler=cfg.retrieval_filler
+            )
             rows += [
                 r
                 for r in make_batch(tok, examples, rng, cfg.canvas_length, cfg.pad_weight)
