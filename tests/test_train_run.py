@@ -52,7 +52,7 @@ def test_retrieval_filler_puts_more_than_a_window_between_list_and_question():
     tok = Tokenizer.from_file(str(demo / "tokenizer.json"))
     window = json.loads((demo / "config.json").read_text())["text_config"]["sliding_window"]
     exs = data.generate(40, seed=5, tasks={"retrieval_short": 1.0}, filler=0.5)
-    padded = [e for e in exs if "The " in e.prompt.split("code words.")[1]]
+    padded = [e for e in exs if "It is " in e.prompt.split("code words.")[1]]
     assert 5 < len(padded) < 35  # about half
     for e in padded:
         body = e.prompt.split("code words.\n")[1]
@@ -61,7 +61,7 @@ def test_retrieval_filler_puts_more_than_a_window_between_list_and_question():
         filler = lines[e.meta["n"]]
         assert len(tok.encode(filler).ids) > window
         words = set(filler.replace(".", "").split())
-        assert not words & set(data.ANIMALS + data.OBJECTS)  # no key in the filler
+        assert not words & set(data.ANIMALS + data.OBJECTS + data.CODE_WORDS)  # no key, no code word
         question = lines[e.meta["n"] + 1]
         assert "code word" in question and f" {e.meta['key']}" in question
         # the identity is the list without filler, so held-out lists never train with filler either
@@ -184,3 +184,22 @@ def test_non_finite_step_is_skipped():
     assert stats[3] == 1 and torch.isfinite(stats).all()
     for n, p in model.named_parameters():
         assert torch.allclose(p, before[n], rtol=0, atol=0, equal_nan=True), n
+
+
+def test_unit_attn_logits_init_gives_unit_variance_logits():
+    from diffgemma.kernels import torch_ref as ops
+    from diffgemma.train import checkpoint as ckpt
+    from diffgemma.train import trainer
+
+    cfg = TrainConfig(out="", preset="demo")
+    config = trainer.model_config(cfg, 2240)
+    for unit, lo, hi in ((False, 6.0, 13.0), (True, 0.7, 1.4)):
+        model = ckpt.build_model(config, 0, "cpu", unit_attn_logits=unit)
+        for layer in model.layers:
+            x = torch.randn(512, model.cfg.hidden_size)
+            pos = torch.arange(512)
+            q, k, _ = model._qkv(layer, ops.rms_norm(x, layer.input_layernorm, 1e-6), pos)
+            logits = q[0, 0] @ k[0, 0].T  # head 0 against its kv head, every pair
+            assert lo < logits.std().item() < hi, (unit, layer.idx, logits.std().item())
+    # the default (reference) init is unchanged: every norm weight 1
+    assert all((p == 1).all() for n, p in ckpt.build_model(config, 0, "cpu").named_parameters() if "norm" in n)

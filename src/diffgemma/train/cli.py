@@ -50,6 +50,11 @@ def train_main(argv: list[str] | None = None) -> dict:
         default=d.retrieval_filler,
         help="share of retrieval examples with more than a sliding window of filler before the question",
     )
+    ap.add_argument(
+        "--unit-attn-logits",
+        action="store_true",
+        help="start q_norm and k_norm at head_dim^-1/4, so a fresh model's attention logits have unit variance",
+    )
     ap.add_argument("--time-limit", type=float, default=0.0, help="stop cleanly after this many seconds")
     ap.add_argument("--log-every", type=int, default=d.log_every)
     ap.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
@@ -82,6 +87,7 @@ def train_main(argv: list[str] | None = None) -> dict:
         mix=a.mix,
         curriculum_steps=a.curriculum_steps,
         retrieval_filler=a.retrieval_filler,
+        unit_attn_logits=a.unit_attn_logits,
     )
     try:
         task_weights(cfg.mix)

@@ -287,15 +287,16 @@ def _arith(rng: random.Random) -> Example:
     return Example("arith", prompt, f"{a} {op} {b} = {c}{TURN_END}", f"arith:{a}{op}{b}", {"result": c})
 
 
-# Filler between a training list and its question: 20 sentences, about 140 demo-tokenizer tokens, more than
+# Filler between a training list and its question: 11 sentences, 139-144 demo-tokenizer tokens, more than
 # the demo preset's 128-token sliding window, so only the full-attention layers can reach the list.
-FILLER_SENTENCES = 20
+FILLER_SENTENCES = 11
 
 
 def _filler(rng: random.Random) -> str:
-    """Sentences of fruit, cities and weather: no key and no code-word line, so nothing in it answers."""
+    """Sentences with no key and no code word (a first filler of fruit and cities held 40 code words)."""
     return " ".join(
-        f"The {rng.choice(FRUITS)} in {rng.choice(CITIES)} is {rng.choice(CONDITIONS)}."
+        f"It is {rng.choice(CONDITIONS)} and {rng.choice(TIMER_LABELS)} costs {rng.randint(1, 99)} "
+        f"{rng.choice(CURRENCIES)}."
         for _ in range(FILLER_SENTENCES)
     )
 

@@ -104,6 +104,7 @@ class TrainConfig:
     mix: str = ""  # task weights over data.TASK_WEIGHTS, "task=weight,..."
     curriculum_steps: int = 0  # retrieval lists capped at 2 + step // 400 lines before this step (0 = off)
     retrieval_filler: float = 0.0  # share of retrieval examples with a window of filler before the question
+    unit_attn_logits: bool = False  # a fresh model's q_norm/k_norm start at head_dim^-1/4 (see init_weights)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -551,7 +552,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         else:
             tok = demo_tokenizer(data.tokenizer_corpus(), vocab_size=cfg.vocab_size)
         model_cfg = model_config(cfg, tok.get_vocab_size())
-        model = ckpt.build_model(model_cfg, cfg.seed, device)
+        model = ckpt.build_model(model_cfg, cfg.seed, device, cfg.unit_attn_logits)
     gen_cfg = ckpt.generation_config(cfg.max_denoising_steps)
     n_params = sum(p.numel() for p in model.parameters())
     graphs = device.startswith("cuda")
