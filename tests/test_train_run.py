@@ -202,4 +202,6 @@ def test_unit_attn_logits_init_gives_unit_variance_logits():
             logits = q[0, 0] @ k[0, 0].T  # head 0 against its kv head, every pair
             assert lo < logits.std().item() < hi, (unit, layer.idx, logits.std().item())
     # the default (reference) init is unchanged: every norm weight 1
-    assert all((p == 1).all() for n, p in ckpt.build_model(config, 0, "cpu").named_parameters() if "norm" in n)
+    assert all(
+        (p == 1).all() for n, p in ckpt.build_model(config, 0, "cpu").named_parameters() if "norm" in n
+    )
