@@ -15,6 +15,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return out.to(x.dtype)
 
 
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """Final-logit softcapping in fp32 (at least): tanh(x / cap) * cap."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.tanh(x / cap) * cap
+
+
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 

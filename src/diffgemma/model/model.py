@@ -273,9 +273,11 @@ class DiffusionGemma(nn.Module):
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
         head = self.embed if self.lm_head is None else self.lm_head
-        logits = F.linear(h, head.to(h.dtype)).to(torch.promote_types(h.dtype, torch.float32))
+        logits = F.linear(h, head.to(h.dtype))
         cap = self.cfg.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap
+        if self.is_fused:
+            return self.fused_regions["softcap"](logits, cap)
+        return ops.softcap(logits, cap)
 
     def _inv_freq(self, layer: Layer, device: torch.device) -> torch.Tensor:
         lt = self.cfg.layer_types[layer.idx]
