@@ -46,17 +46,16 @@ def test_retrieval_curriculum_caps_list_lengths_then_ends():
 
 
 def test_retrieval_filler_puts_more_than_a_window_between_list_and_question():
+    """The probe's filler: longer than the sliding window, with no key or code word in it."""
     from tokenizers import Tokenizer
 
     demo = bundled_model()
     tok = Tokenizer.from_file(str(demo / "tokenizer.json"))
     window = json.loads((demo / "config.json").read_text())["text_config"]["sliding_window"]
-    exs = data.generate(40, seed=5, tasks={"retrieval_short": 1.0}, filler=0.5)
-    padded = [e for e in exs if "It is " in e.prompt.split("code words.")[1]]
-    assert 5 < len(padded) < 35  # about half
-    for e in padded:
-        body = e.prompt.split("code words.\n")[1]
-        lines = body.split("\n")
+    rng = random.Random(5)
+    for _ in range(20):
+        e = data._retrieval(rng, (2, 16), filler=True)
+        lines = e.prompt.split("code words.\n")[1].split("\n")
         assert len([ln for ln in lines if ln.startswith("- ")]) == e.meta["n"]
         filler = lines[e.meta["n"]]
         assert len(tok.encode(filler).ids) > window
@@ -64,12 +63,7 @@ def test_retrieval_filler_puts_more_than_a_window_between_list_and_question():
         assert not words & set(data.ANIMALS + data.OBJECTS + data.CODE_WORDS)  # no key, no code word
         question = lines[e.meta["n"] + 1]
         assert "code word" in question and f" {e.meta['key']}" in question
-        # the identity is the list without filler, so held-out lists never train with filler either
-        assert filler not in e.identity and not data.is_heldout(e.identity)
-    # filler 0 leaves the stream unchanged: the held-out set and the bundled recipe's batches are as before
-    assert data.generate(30, seed=5, tasks={"retrieval_short": 1.0}, filler=0.0) == data.generate(
-        30, seed=5, tasks={"retrieval_short": 1.0}
-    )
+        assert filler not in e.identity  # the identity is the list without filler
 
 
 def test_demo_tokenizer_keeps_special_ids_and_splits_digits():
@@ -156,7 +150,6 @@ def test_train_cli_rejects_bad_options_in_one_line(tmp_path, capsys):
     for args, msg in (
         (["--curriculum-steps", "-1"], "--curriculum-steps must be >= 0, got -1"),
         (["--mix", "foo=1"], "unknown task 'foo'"),
-        (["--retrieval-filler", "1.5"], "--retrieval-filler must be in [0, 1], got 1.5"),
     ):
         with pytest.raises(SystemExit) as e:
             train_main(["--out", str(tmp_path / "o"), *args])
@@ -184,24 +177,3 @@ def test_non_finite_step_is_skipped():
     assert stats[3] == 1 and torch.isfinite(stats).all()
     for n, p in model.named_parameters():
         assert torch.allclose(p, before[n], rtol=0, atol=0, equal_nan=True), n
-
-
-def test_unit_attn_logits_init_gives_unit_variance_logits():
-    from diffgemma.kernels import torch_ref as ops
-    from diffgemma.train import checkpoint as ckpt
-    from diffgemma.train import trainer
-
-    cfg = TrainConfig(out="", preset="demo")
-    config = trainer.model_config(cfg, 2240)
-    for unit, lo, hi in ((False, 6.0, 13.0), (True, 0.7, 1.4)):
-        model = ckpt.build_model(config, 0, "cpu", unit_attn_logits=unit)
-        for layer in model.layers:
-            x = torch.randn(512, model.cfg.hidden_size)
-            pos = torch.arange(512)
-            q, k, _ = model._qkv(layer, ops.rms_norm(x, layer.input_layernorm, 1e-6), pos)
-            logits = q[0, 0] @ k[0, 0].T  # head 0 against its kv head, every pair
-            assert lo < logits.std().item() < hi, (unit, layer.idx, logits.std().item())
-    # the default (reference) init is unchanged: every norm weight 1
-    assert all(
-        (p == 1).all() for n, p in ckpt.build_model(config, 0, "cpu").named_parameters() if "norm" in n
-    )

@@ -100,13 +100,11 @@ def generation_config(max_denoising_steps: int = 16, max_new_tokens: int = 256) 
 FROZEN = ("layer_scalar", "encoder_layer_scalar")  # buffers in the real model; kept at 1.0
 
 
-def build_model(
-    config: dict[str, Any], seed: int, device: str | torch.device = "cpu", unit_attn_logits: bool = False
-) -> DiffusionGemma:
+def build_model(config: dict[str, Any], seed: int, device: str | torch.device = "cpu") -> DiffusionGemma:
     """A freshly initialised, trainable fp32 model (every parameter but the layer scalars requires grad)."""
     cfg = ModelConfig.from_dict(config)
     model = DiffusionGemma(cfg)
-    init_weights(model, seed, unit_attn_logits)
+    init_weights(model, seed)
     return make_trainable(model.to(device))
 
 
@@ -119,13 +117,9 @@ def make_trainable(model: DiffusionGemma) -> DiffusionGemma:
 
 
 @torch.no_grad()
-def init_weights(model: DiffusionGemma, seed: int, unit_attn_logits: bool = False) -> None:
+def init_weights(model: DiffusionGemma, seed: int) -> None:
     """Gemma-style init: N(0, fan_in^-1/2) matrices, the residual-side projections and the SC MLP's output
-    scaled down, every norm weight 1 (Gemma 4's RMSNorm multiplies by w, not 1 + w), scalars 1.
-
-    With scale 1 and unit q/k norms, a layer's initial attention logits have a standard deviation of
-    sqrt(head_dim) (8-11), so attention starts near one-hot on random keys. `unit_attn_logits` starts q_norm
-    and k_norm at head_dim^-1/4 instead: unit-variance logits, as a 1/sqrt(d) scale would give."""
+    scaled down, every norm weight 1 (Gemma 4's RMSNorm multiplies by w, not 1 + w), scalars 1."""
     g = torch.Generator().manual_seed(seed)
     h = model.cfg.hidden_size
 
@@ -135,8 +129,7 @@ def init_weights(model: DiffusionGemma, seed: int, unit_attn_logits: bool = Fals
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
         if p.dim() == 1:
-            qk = unit_attn_logits and leaf in ("q_norm", "k_norm")
-            p.fill_(p.shape[0] ** -0.25 if qk else 1.0)
+            p.fill_(1.0)
         elif leaf == "embed":
             normal_(p, h**-0.5)
         elif leaf == "router_proj":

@@ -44,17 +44,6 @@ def train_main(argv: list[str] | None = None) -> dict:
         default=d.curriculum_steps,
         help="cap retrieval lists at 2 + step // 400 lines before this step (0 = off, the default)",
     )
-    ap.add_argument(
-        "--retrieval-filler",
-        type=float,
-        default=d.retrieval_filler,
-        help="share of retrieval examples with more than a sliding window of filler before the question",
-    )
-    ap.add_argument(
-        "--unit-attn-logits",
-        action="store_true",
-        help="start q_norm and k_norm at head_dim^-1/4, so a fresh model's attention logits have unit variance",
-    )
     ap.add_argument("--time-limit", type=float, default=0.0, help="stop cleanly after this many seconds")
     ap.add_argument("--log-every", type=int, default=d.log_every)
     ap.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
@@ -86,15 +75,11 @@ def train_main(argv: list[str] | None = None) -> dict:
         init=a.init,
         mix=a.mix,
         curriculum_steps=a.curriculum_steps,
-        retrieval_filler=a.retrieval_filler,
-        unit_attn_logits=a.unit_attn_logits,
     )
     try:
         task_weights(cfg.mix)
     except ValueError as e:
         ap.error(str(e))
-    if not 0.0 <= cfg.retrieval_filler <= 1.0:
-        ap.error(f"--retrieval-filler must be in [0, 1], got {cfg.retrieval_filler}")
     if cfg.curriculum_steps < 0:
         ap.error(f"--curriculum-steps must be >= 0, got {cfg.curriculum_steps}")
     summary = train(cfg)

@@ -287,8 +287,9 @@ def _arith(rng: random.Random) -> Example:
     return Example("arith", prompt, f"{a} {op} {b} = {c}{TURN_END}", f"arith:{a}{op}{b}", {"result": c})
 
 
-# Filler between a training list and its question: 11 sentences, 139-144 demo-tokenizer tokens, more than
-# the demo preset's 128-token sliding window, so only the full-attention layers can reach the list.
+# Filler between a list and its question (`_retrieval(filler=True)`, used by the retrieval probe): 11 sentences,
+# 139-144 demo-tokenizer tokens, more than the demo preset's 128-token sliding window, so only the
+# full-attention layers can reach the list. (As training data it did not help: docs/train/README.md.)
 FILLER_SENTENCES = 11
 
 
@@ -461,25 +462,14 @@ MAKERS = {
 
 
 def make_example(
-    task: str,
-    rng: random.Random,
-    split: str = "train",
-    max_lines: int | None = None,
-    filler: bool = False,
+    task: str, rng: random.Random, split: str = "train", max_lines: int | None = None
 ) -> Example:
-    """One example of `task` from the given split ("train" or "heldout"); `max_lines` caps retrieval lists,
-    `filler` puts more than a sliding window of other text between a retrieval list and its question."""
+    """One example of `task` from the given split ("train" or "heldout"); `max_lines` caps retrieval lists."""
     want_heldout = split == "heldout"
     maker = MAKERS[task]
-    if task in RETRIEVAL_LINES and (max_lines is not None or filler):
+    if max_lines is not None and task in RETRIEVAL_LINES:
         # Under the curriculum both tasks draw 2..cap lines, as in the sweep where the lookup formed.
-        hi = (
-            RETRIEVAL_LINES[task][1]
-            if max_lines is None
-            else max(2, min(RETRIEVAL_LINES[task][1], max_lines))
-        )
-        lo = 2 if max_lines is not None else RETRIEVAL_LINES[task][0]
-        maker = partial(_retrieval, lines=(lo, hi), filler=filler)
+        maker = partial(_retrieval, lines=(2, max(2, min(RETRIEVAL_LINES[task][1], max_lines))))
     for _ in range(10_000):
         ex = maker(rng)
         if is_heldout(ex.identity) == want_heldout:
@@ -493,20 +483,13 @@ def generate(
     split: str = "train",
     tasks: dict[str, float] | None = None,
     max_lines: int | None = None,
-    filler: float = 0.0,
 ) -> list[Example]:
-    """n examples, tasks drawn by weight, a `filler` share of retrieval examples with filler before the
-    question; deterministic for (n, seed, split, max_lines, filler)."""
+    """n examples, tasks drawn by weight; deterministic for (n, seed, split, max_lines)."""
     weights = tasks or TASK_WEIGHTS
     rng = random.Random(f"{seed}:{split}")
     names = list(weights)
     w = [weights[t] for t in names]
-    out = []
-    for _ in range(n):
-        task = rng.choices(names, w)[0]
-        pad = filler > 0 and task in RETRIEVAL_LINES and rng.random() < filler
-        out.append(make_example(task, rng, split, max_lines, pad))
-    return out
+    return [make_example(rng.choices(names, w)[0], rng, split, max_lines) for _ in range(n)]
 
 
 def heldout_set(n_per_task: int, seed: int = 1234, tasks: tuple[str, ...] = TASKS) -> list[Example]:

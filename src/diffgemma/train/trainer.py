@@ -103,8 +103,6 @@ class TrainConfig:
     init: str = ""  # start from this checkpoint's weights and tokenizer (fine-tuning) instead of a fresh init
     mix: str = ""  # task weights over data.TASK_WEIGHTS, "task=weight,..."
     curriculum_steps: int = 0  # retrieval lists capped at 2 + step // 400 lines before this step (0 = off)
-    retrieval_filler: float = 0.0  # share of retrieval examples with a window of filler before the question
-    unit_attn_logits: bool = False  # a fresh model's q_norm/k_norm start at head_dim^-1/4 (see init_weights)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -272,9 +270,7 @@ def batches_for_step(cfg: TrainConfig, tok: Tokenizer, step: int) -> list[Batch]
         draw = 0
         while len(rows) < n:  # the rare context longer than its bucket (a late split) is drawn again
             seed = ((cfg.seed * 1_000_003 + step) * 8 + b) * 1000 + draw
-            examples = data.generate(
-                n - len(rows), seed=seed, tasks=weights, max_lines=cap, filler=cfg.retrieval_filler
-            )
+            examples = data.generate(n - len(rows), seed=seed, tasks=weights, max_lines=cap)
             rows += [
                 r
                 for r in make_batch(tok, examples, rng, cfg.canvas_length, cfg.pad_weight)
@@ -552,7 +548,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         else:
             tok = demo_tokenizer(data.tokenizer_corpus(), vocab_size=cfg.vocab_size)
         model_cfg = model_config(cfg, tok.get_vocab_size())
-        model = ckpt.build_model(model_cfg, cfg.seed, device, cfg.unit_attn_logits)
+        model = ckpt.build_model(model_cfg, cfg.seed, device)
     gen_cfg = ckpt.generation_config(cfg.max_denoising_steps)
     n_params = sum(p.numel() for p in model.parameters())
     graphs = device.startswith("cuda")
