@@ -150,6 +150,7 @@ def test_train_cli_rejects_bad_options_in_one_line(tmp_path, capsys):
     for args, msg in (
         (["--curriculum-steps", "-1"], "--curriculum-steps must be >= 0, got -1"),
         (["--mix", "foo=1"], "unknown task 'foo'"),
+        (["--lookup-weight", "-1"], "--lookup-weight must be >= 0, got -1.0"),
     ):
         with pytest.raises(SystemExit) as e:
             train_main(["--out", str(tmp_path / "o"), *args])
@@ -169,11 +170,11 @@ def test_non_finite_step_is_skipped():
     opt = torch.optim.AdamW(trainer.param_groups(model, 0.05), lr=1e-3)
     micro = trainer.batches_for_step(cfg, tok, 0)
     stats = trainer.step_body(model, opt, micro, False, True, 1.0, cfg, contextlib.nullcontext)
-    assert stats[3] == 0 and stats[0] > 0  # a normal step: not skipped, a loss
+    assert stats[4] == 0 and stats[0] > 0  # a normal step: not skipped, a loss
     with torch.no_grad():
         model.embed[5] = float("nan")  # through the tied head, every logit row and so the loss turn NaN
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     stats = trainer.step_body(model, opt, micro, False, True, 1.0, cfg, contextlib.nullcontext)
-    assert stats[3] == 1 and torch.isfinite(stats).all()
+    assert stats[4] == 1 and torch.isfinite(stats).all()
     for n, p in model.named_parameters():
         assert torch.allclose(p, before[n], rtol=0, atol=0, equal_nan=True), n

@@ -44,6 +44,12 @@ def train_main(argv: list[str] | None = None) -> dict:
         default=d.curriculum_steps,
         help="cap retrieval lists at 2 + step // 400 lines before this step (0 = off, the default)",
     )
+    ap.add_argument(
+        "--lookup-weight",
+        type=float,
+        default=d.lookup_weight,
+        help="weight of the retrieval attention loss on the last full layer's head 0 (0 = off, the default)",
+    )
     ap.add_argument("--time-limit", type=float, default=0.0, help="stop cleanly after this many seconds")
     ap.add_argument("--log-every", type=int, default=d.log_every)
     ap.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
@@ -75,11 +81,14 @@ def train_main(argv: list[str] | None = None) -> dict:
         init=a.init,
         mix=a.mix,
         curriculum_steps=a.curriculum_steps,
+        lookup_weight=a.lookup_weight,
     )
     try:
         task_weights(cfg.mix)
     except ValueError as e:
         ap.error(str(e))
+    if cfg.lookup_weight < 0:
+        ap.error(f"--lookup-weight must be >= 0, got {cfg.lookup_weight}")
     if cfg.curriculum_steps < 0:
         ap.error(f"--curriculum-steps must be >= 0, got {cfg.curriculum_steps}")
     summary = train(cfg)

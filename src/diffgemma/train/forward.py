@@ -110,11 +110,13 @@ def train_forward(
     sc_seed: bool = False,
     moe: str = "dense",
     compiled: bool = False,
-) -> torch.Tensor:
+    lookup: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softcapped logits [B, C, V] for canvases [B, C] after left-padded prompts [B, P] (mask [B, P]).
 
     Self-conditioning as `model.denoise`: `sc_probs` [B, C, V] (normalised), or `sc_seed` (the canvas's own
-    embedding), or neither. Differentiable w.r.t. every parameter that has requires_grad.
+    embedding), or neither. Differentiable w.r.t. every parameter that has requires_grad. With `lookup`
+    ([B, 2], see `lookup_nll`) returns (logits, lookup_nll).
     """
     b, p = prompt_ids.shape
     c = canvas_ids.shape[1]
@@ -128,10 +130,48 @@ def train_forward(
     for lt in set(model.cfg.layer_types):  # cos/sin once per layer type, in fp32 (cast in the layer)
         rope[lt] = ops.rope_cos_sin(model.inv_freq[lt].to(h.device), pos.reshape(-1), torch.float32)
     step = compiled_layer() if compiled else layer_forward
+    nll = None
     for layer in model.layers:
         cos, sin = rope[model.cfg.layer_types[layer.idx]]
+        if lookup is not None and layer.idx == lookup_layer(model):
+            nll = lookup_nll(layer, h, cos, sin, masks[layer.sliding], lookup, p, model.cfg.rms_norm_eps)
         h = step(model, layer, h, cos, sin, masks[layer.sliding], is_prompt, moe)
-    return model._logits(h[:, p:])
+    logits = model._logits(h[:, p:])
+    return logits if lookup is None else (logits, nll)
+
+
+def lookup_layer(model: DiffusionGemma) -> int:
+    """The layer whose attention `lookup_nll` supervises: the last full-attention layer, the only kind that
+    reaches a list line beyond the sliding window."""
+    return max(i for i in range(model.cfg.num_layers) if not model.cfg.is_sliding(i))
+
+
+def lookup_nll(
+    layer: Layer,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor,
+    lookup: torch.Tensor,
+    n_prompt: int,
+    eps: float,
+) -> torch.Tensor:
+    """Retrieval attention loss: the mean over rows of -log(attention of `layer`'s head 0, from the canvas slot
+    lookup[:, 0] to the context slot lookup[:, 1]), rows with -1 left out. For a retrieval row the two slots are
+    the answer's code word and the asked line's code word, so the loss teaches the head the lookup directly.
+
+    h [B, P + C, hidden] is the layer's input stream (P = `n_prompt`); cos/sin and mask as in `layer_forward`.
+    The scores are the layer's own (scale 1), recomputed here for the one query row per example."""
+    b = h.shape[0]
+    x = ops.rms_norm(h, layer.input_layernorm, eps)
+    q, k, _ = _qkv(layer, x, cos, sin, eps)  # [B, H, T, d], [B, Hkv, T, d]
+    has = lookup[:, 0] >= 0
+    rows = torch.arange(b, device=h.device)
+    qrow = n_prompt + lookup[:, 0].clamp_min(0)
+    scores = torch.einsum("bd,btd->bt", q[rows, 0, qrow].float(), k[:, 0].float())
+    scores = scores.masked_fill(~mask[rows, 0, qrow], float("-inf"))
+    nll = -torch.log_softmax(scores, -1)[rows, lookup[:, 1].clamp_min(0)]
+    return torch.where(has, nll, torch.zeros_like(nll)).sum() / has.sum().clamp_min(1)
 
 
 def layer_forward(

@@ -103,6 +103,7 @@ class TrainConfig:
     init: str = ""  # start from this checkpoint's weights and tokenizer (fine-tuning) instead of a fresh init
     mix: str = ""  # task weights over data.TASK_WEIGHTS, "task=weight,..."
     curriculum_steps: int = 0  # retrieval lists capped at 2 + step // 400 lines before this step (0 = off)
+    lookup_weight: float = 0.0  # weight of the retrieval attention loss (`forward.lookup_nll`); 0 = off
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -157,9 +158,10 @@ class Batch:
     target: torch.Tensor  # [B, C] clean canvas
     weight: torch.Tensor  # [B, C] loss weights
     content: torch.Tensor  # [B, C] True up to and including the stop token
+    lookup: torch.Tensor  # [B, 2] a retrieval answer's code-word slot and its line's code word in the context
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.prompt, self.mask, self.target, self.weight, self.content)
+        return (self.prompt, self.mask, self.target, self.weight, self.content, self.lookup)
 
     def to(self, device: str) -> Batch:
         nb = device != "cpu"
@@ -203,24 +205,42 @@ def split_point(rng: random.Random, n_target: int, canvas: int) -> int:
     return rng.randrange(1, n_target)
 
 
+def lookup_tokens(tok: Tokenizer, ex: data.Example, prompt, target) -> tuple[int, int] | None:
+    """For a retrieval example: (token index of the answer's code word in the target, token index of the asked
+    line's code word in the prompt), from the encodings' offsets; None for other tasks."""
+    meta = ex.meta
+    if ex.task != "retrieval" or "value" not in meta:
+        return None
+    key, value = meta["key"], meta["value"]
+    in_prompt = prompt.char_to_token(ex.prompt.index(f"- {key}: {value}\n") + len(f"- {key}: "))
+    in_target = target.char_to_token(ex.target.index(f" is {value}") + len(" is "))
+    want = tok.token_to_id("Ġ" + value)
+    if want is None or prompt.ids[in_prompt] != want or target.ids[in_target] != want:
+        return None  # a code word of several tokens: no single key to point at
+    return in_target, in_prompt
+
+
 def make_batch(
     tok: Tokenizer, examples: list[data.Example], rng: random.Random, canvas: int, pad_weight: float
-) -> list[tuple[list[int], list[int], list[float], list[bool]]]:
+) -> list[tuple[list[int], list[int], list[float], list[bool], tuple[int, int]]]:
     prompts = tok.encode_batch([e.prompt for e in examples], add_special_tokens=False)
     targets = tok.encode_batch([e.target for e in examples], add_special_tokens=False)
     rows = []
-    for p, t in zip(prompts, targets, strict=True):
+    for ex, p, t in zip(examples, prompts, targets, strict=True):
         t_ids = t.ids
         s = split_point(rng, len(t_ids), canvas)
         ctx = p.ids + t_ids[:s]
         part = t_ids[s : s + canvas]
         n = len(part)
+        look = lookup_tokens(tok, ex, p, t)
+        slot = -1 if look is None else look[0] - s
         rows.append(
             (
                 ctx,
                 part + [PAD] * (canvas - n),
                 [1.0] * n + [pad_weight] * (canvas - n),
                 [True] * n + [False] * (canvas - n),
+                (slot, look[1]) if look is not None and 0 <= slot < n else (-1, -1),
             )
         )
     return rows
@@ -230,15 +250,19 @@ def collate(rows, length: int) -> Batch:
     """Rows left-padded to `length` context tokens, as CPU tensors."""
     prompt = torch.zeros(len(rows), length, dtype=torch.long)
     mask = torch.zeros(len(rows), length, dtype=torch.bool)
+    lookup = torch.full((len(rows), 2), -1, dtype=torch.long)
     for i, r in enumerate(rows):
         prompt[i, length - len(r[0]) :] = torch.tensor(r[0])
         mask[i, length - len(r[0]) :] = True
+        if r[4][0] >= 0:  # the context index moves with the left padding
+            lookup[i] = torch.tensor([r[4][0], r[4][1] + length - len(r[0])])
     return Batch(
         prompt,
         mask,
         torch.tensor([r[1] for r in rows]),
         torch.tensor([r[2] for r in rows]),
         torch.tensor([r[3] for r in rows]),
+        lookup,
     )
 
 
@@ -380,9 +404,16 @@ def corrupt(target: torch.Tensor, vocab: int, gen: torch.Generator | None = None
 
 
 def loss_on(
-    model, batch: Batch, sc: bool, seed_first: bool, temp: float | torch.Tensor, autocast
+    model,
+    batch: Batch,
+    sc: bool,
+    seed_first: bool,
+    temp: float | torch.Tensor,
+    autocast,
+    lookup_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted loss and, detached, (loss, content_loss, content_acc)."""
+    """Weighted loss (plus `lookup_weight` x the lookup attention loss) and, detached, (loss, content_loss,
+    content_acc, lookup_nll); lookup_nll is 0 when the weight is 0."""
     vocab = model.cfg.vocab_size
     noisy = corrupt(batch.target, vocab)
     sc_probs = None
@@ -394,7 +425,7 @@ def loss_on(
                     model, batch.prompt, batch.mask, noisy, sc_seed=seed_first, compiled=compiled
                 )
                 sc_probs = torch.softmax(first.float() / temp, dim=-1)
-        logits = train_forward(
+        out = train_forward(
             model,
             batch.prompt,
             batch.mask,
@@ -402,16 +433,23 @@ def loss_on(
             sc_probs=sc_probs,
             sc_seed=seed_first and not sc,
             compiled=compiled,
+            lookup=batch.lookup if lookup_weight > 0 else None,
         )
+    logits, nll = out if lookup_weight > 0 else (out, torch.zeros((), device=out.device))
     ce = F.cross_entropy(logits.float().flatten(0, 1), batch.target.flatten(), reduction="none").view_as(
         batch.weight
     )
-    loss = (ce * batch.weight).sum() / batch.weight.sum()
+    loss = (ce * batch.weight).sum() / batch.weight.sum() + lookup_weight * nll
     with torch.no_grad():
         content = batch.content.float()
         correct = (logits.argmax(-1) == batch.target).float()
         stats = torch.stack(
-            [loss.detach(), (ce * content).sum() / content.sum(), (correct * content).sum() / content.sum()]
+            [
+                loss.detach(),
+                (ce * content).sum() / content.sum(),
+                (correct * content).sum() / content.sum(),
+                nll.detach().float(),
+            ]
         )
     return loss, stats
 
@@ -423,13 +461,13 @@ def step_choices(rng: random.Random, cfg: TrainConfig) -> tuple[bool, bool, floa
 
 def step_body(model, opt, micro: list[Batch], sc: bool, seed_first: bool, temp, cfg: TrainConfig, autocast):
     """One optimizer step over device-resident microbatches; returns (loss, content_loss, content_acc,
-    skipped, grad_norm). A step whose gradient is not finite is skipped: no update, zero stats."""
+    lookup_nll, skipped, grad_norm). A step whose gradient is not finite is skipped: no update, zero stats."""
     n_rows = sum(b.prompt.shape[0] for b in micro)
     opt.zero_grad(set_to_none=True)
     total = None
     for batch in micro:
         rows = batch.prompt.shape[0]
-        loss, stats = loss_on(model, batch, sc, seed_first, temp, autocast)
+        loss, stats = loss_on(model, batch, sc, seed_first, temp, autocast, cfg.lookup_weight)
         (loss * rows / n_rows).backward()
         part = stats * (rows / n_rows)
         total = part if total is None else total + part
@@ -665,18 +703,19 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             step += 1
             if step % cfg.log_every == 0 or step == total:
                 total_stats = sums.tolist()  # the only host sync
-                skipped = int(round(total_stats[3]))
-                loss, content_loss, content_acc, _, grad_norm = (
+                skipped = int(round(total_stats[4]))
+                loss, content_loss, content_acc, lookup_nll, _, grad_norm = (
                     x / max(1, n_acc - skipped) for x in total_stats
                 )
                 row = {"loss": loss, "content_loss": content_loss, "content_acc": content_acc}
                 row.update(step=step, lr=lr, seconds=time.time() - t_start, data_wait=data_wait)
-                row.update(grad_norm=grad_norm, skipped=skipped)
+                row.update(grad_norm=grad_norm, skipped=skipped, lookup_nll=lookup_nll)
                 log.append(row)
                 print(
                     f"step {step:5d}  loss {row['loss']:.4f}  reply-loss {row['content_loss']:.4f}  "
                     f"reply-acc {row['content_acc']:.3f}  grad-norm {grad_norm:.2f}  lr {lr:.2e}  "
-                    f"{row['seconds']:.0f}s (data wait {data_wait:.0f}s)"
+                    + (f"lookup-nll {lookup_nll:.3f}  " if cfg.lookup_weight > 0 else "")
+                    + f"{row['seconds']:.0f}s (data wait {data_wait:.0f}s)"
                     + (f"  SKIPPED {skipped} non-finite steps" if skipped else ""),
                     flush=True,
                 )

@@ -1,0 +1,82 @@
+"""The retrieval attention loss (`--lookup-weight`): where it points, that it is the layer's own attention,
+and that training on it moves that attention."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import torch
+from tokenizers import Tokenizer
+
+from diffgemma.kernels import torch_ref
+from diffgemma.train import checkpoint as ckpt
+from diffgemma.train import data, forward, trainer
+from diffgemma.train.trainer import TrainConfig
+from diffgemma.weights.download import bundled_model
+
+
+def _tok() -> Tokenizer:
+    return Tokenizer.from_file(str(bundled_model() / "tokenizer.json"))
+
+
+def _batch(tok: Tokenizer, n: int, seed: int) -> tuple[list[data.Example], trainer.Batch]:
+    exs = data.generate(n, seed=seed, tasks={"retrieval_short": 1.0, "arith": 0.5})
+    return exs, trainer.collate(trainer.make_batch(tok, exs, random.Random(seed), 32, 0.25), 320)
+
+
+def test_lookup_points_from_the_answer_slot_to_the_asked_lines_code_word():
+    tok = _tok()
+    exs, b = _batch(tok, 60, seed=2)
+    pointed = 0
+    for i, ex in enumerate(exs):
+        slot, key = b.lookup[i].tolist()
+        if ex.task != "retrieval" or slot < 0:  # other tasks; or a split moved the code word into the context
+            assert (slot, key) == (-1, -1)
+            continue
+        value = tok.token_to_id("Ġ" + ex.meta["value"])
+        assert b.target[i, slot] == value and b.prompt[i, key] == value and b.mask[i, key]
+        assert tok.id_to_token(int(b.prompt[i, key - 2])) == "Ġ" + ex.meta["key"]  # "- KEY: WORD"
+        pointed += 1
+    assert pointed >= 20 and (b.lookup[[e.task != "retrieval" for e in exs]] == -1).all()
+
+
+def test_lookup_nll_is_minus_log_of_the_layers_own_attention(monkeypatch):
+    tok = _tok()
+    cfg = TrainConfig(out="", preset="tiny")
+    model = ckpt.build_model(trainer.model_config(cfg, tok.get_vocab_size()), 0, "cpu")
+    _, b = _batch(tok, 12, seed=4)
+    probs = []
+
+    def recording(q, k, v, mask):
+        k_full = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        probs.append(torch.softmax((q @ k_full.transpose(-1, -2)).masked_fill(~mask, float("-inf")), -1))
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k_full, v.repeat_interleave(q.shape[1] // v.shape[1], 1), attn_mask=mask, scale=1.0
+        )
+
+    monkeypatch.setattr(torch_ref, "attention", recording)
+    with torch.no_grad():
+        logits, nll = forward.train_forward(model, b.prompt, b.mask, b.target, lookup=b.lookup)
+    p_layer = probs[forward.lookup_layer(model)]  # [B, H, T, T]
+    has = b.lookup[:, 0] >= 0
+    rows = torch.arange(len(b.lookup))[has]
+    want = -torch.log(p_layer[rows, 0, 320 + b.lookup[has, 0], b.lookup[has, 1]]).mean()
+    assert logits.shape == b.target.shape + (model.cfg.vocab_size,)
+    assert has.sum() >= 4 and torch.allclose(nll, want, rtol=1e-4, atol=1e-5)
+
+
+def test_training_on_the_lookup_loss_moves_the_attention():
+    torch.manual_seed(0)  # the canvas noise
+    tok = _tok()
+    cfg = TrainConfig(out="", preset="tiny", batch=8, lookup_weight=1.0, sc_prob=0.0)
+    cfg.mix = ",".join(f"{t}=0" for t in data.TASK_WEIGHTS if t != "retrieval_short")
+    model = ckpt.build_model(trainer.model_config(cfg, tok.get_vocab_size()), 0, "cpu")
+    opt = torch.optim.AdamW(trainer.param_groups(model, 0.0), lr=3e-3)
+    micro = trainer.batches_for_step(cfg, tok, 0)  # one batch, seen again and again
+    nll = []
+    for _ in range(25):
+        stats = trainer.step_body(model, opt, micro, False, False, 1.0, cfg, contextlib.nullcontext)
+        nll.append(stats[3].item())
+    first, last = sum(nll[:5]) / 5, sum(nll[-5:]) / 5
+    assert first > 5.0 and last < 0.5 * first, nll  # at init the head's attention on the code word is ~e^-10
