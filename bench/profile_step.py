@@ -1,34 +1,71 @@
-"""Kernel-level profile of one denoise step and one prefill chunk at the real shape (random weights)."""
+"""Kernel profile, on one model build at the real shape (random weights, transformers' init): the denoise step
+(fused regions, run eagerly so that the profiler sees each kernel) at 1k and 32k context with the graphed step's
+CUDA-event median beside it, and a 4096-token prefill chunk after 4096 cached tokens.
 
-import sys
+Run on a GPU from the repository root: `python bench/profile_step.py` (results/h200_step_profile.txt)."""
+
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from diffgemma.bench import REAL_CONFIG, random_model
 
-ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
-model = random_model(REAL_CONFIG, "cuda", torch.bfloat16)
-model.use_graphs = False
+t0 = time.time()
+model = random_model(REAL_CONFIG, "cuda", torch.bfloat16, init="hf")
+print(f"model built in {time.time() - t0:.1f}s, fused={model.is_fused}", flush=True)
 cfg = model.cfg
-kv = model.new_cache(ctx + 4096 + 512)
-ids = torch.randint(0, cfg.vocab_size, (1, ctx))
-model.prefill(ids, kv, chunk=4096)
-canvas = torch.randint(0, cfg.vocab_size, (1, 256))
 probs = torch.softmax(torch.randn(256, cfg.vocab_size, device="cuda"), -1)
-chunk = torch.randint(0, cfg.vocab_size, (1, 4096))
-for _ in range(2):
-    model.denoise(canvas, kv, sc_probs=probs)
-torch.cuda.synchronize()
-with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    model.denoise(canvas, kv, sc_probs=probs)
+canvas = torch.randint(0, cfg.vocab_size, (1, 256))
+
+
+def table(prof, n=32):
+    ev = prof.key_averages()
+    tot = sum(e.self_device_time_total for e in ev) / 1e3
+    cnt = sum(e.count for e in ev if e.self_device_time_total > 0)
+    print(f"{cnt} kernels, {tot:.2f} ms GPU time")
+    print(ev.table(sort_by="self_cuda_time_total", row_limit=n, max_name_column_width=80))
+
+
+for ctx in (1024, 32768):
+    kv = model.new_cache(ctx + 4096 + 512)
+    model.prefill(torch.randint(0, cfg.vocab_size, (1, ctx)), kv, chunk=4096)
+    model.use_graphs = True
+    for _ in range(3):
+        model.denoise(canvas, kv, sc_probs=probs)
     torch.cuda.synchronize()
-print("=== denoise step (eager, fast ops), ctx", ctx)
-print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=90))
-n = kv.length
-with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    model.prefill(chunk, kv, chunk=4096)
+    ms = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        model.denoise(canvas, kv, sc_probs=probs)
+        b.record()
+        torch.cuda.synchronize()
+        ms.append(a.elapsed_time(b))
+    print(f"=== ctx {ctx}: graphed denoise median {sorted(ms)[5]:.2f} ms", flush=True)
+    model.use_graphs = False
+    for _ in range(2):
+        model.denoise(canvas, kv, sc_probs=probs)
     torch.cuda.synchronize()
-kv.length = n
-print("=== prefill chunk 4096 at", n)
-print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=90))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.denoise(canvas, kv, sc_probs=probs)
+        torch.cuda.synchronize()
+    print(f"=== denoise step (fused, eager), ctx {ctx}")
+    table(prof)
+    if ctx == 1024:
+        kv2 = model.new_cache(8192 + 512)
+        model.prefill(torch.randint(0, cfg.vocab_size, (1, 4096)), kv2, chunk=4096)
+        chunk = torch.randint(0, cfg.vocab_size, (1, 4096))
+        n = kv2.length
+        model.prefill(chunk, kv2, chunk=4096)
+        kv2.length = n
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model.prefill(chunk, kv2, chunk=4096)
+            torch.cuda.synchronize()
+        kv2.length = n
+        print("=== prefill chunk 4096 at 4096")
+        table(prof, 28)
+        del kv2
+    del kv
+    torch.cuda.empty_cache()
