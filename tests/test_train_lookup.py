@@ -1,5 +1,5 @@
-"""The retrieval attention loss (`--lookup-weight`): where it points, that it is the layer's own attention,
-and that training on it moves that attention."""
+"""The two-hop retrieval attention loss (`--lookup-weight`): where it points, that it is the layers' own
+attention, and that training on it moves that attention."""
 
 from __future__ import annotations
 
@@ -39,6 +39,14 @@ def test_lookup_points_from_the_answer_slot_to_the_asked_lines_code_word():
         assert tok.id_to_token(int(b.prompt[i, key - 2])) == "Ġ" + ex.meta["key"]  # "- KEY: WORD"
         pointed += 1
     assert pointed >= 20 and (b.lookup[[e.task != "retrieval" for e in exs]] == -1).all()
+    # every list line's code word is marked, with its key two tokens back, and nothing else
+    for i, ex in enumerate(exs):
+        marked = b.lines[i].nonzero()[:, 0].tolist()
+        assert len(marked) == (ex.meta["n"] if ex.task == "retrieval" else 0)
+        for j in marked:
+            assert tok.id_to_token(int(b.prompt[i, j]))[1:] in data.CODE_WORDS
+            assert tok.id_to_token(int(b.prompt[i, j - 1])) == ":"
+            assert tok.id_to_token(int(b.prompt[i, j - 2]))[1:] in data.ANIMALS + data.OBJECTS
 
 
 def test_lookup_nll_is_minus_log_of_the_layers_own_attention(monkeypatch):
@@ -57,13 +65,18 @@ def test_lookup_nll_is_minus_log_of_the_layers_own_attention(monkeypatch):
 
     monkeypatch.setattr(torch_ref, "attention", recording)
     with torch.no_grad():
-        logits, nll = forward.train_forward(model, b.prompt, b.mask, b.target, lookup=b.lookup)
-    p_layer = probs[forward.lookup_layer(model)]  # [B, H, T, T]
+        logits, nll = forward.train_forward(model, b.prompt, b.mask, b.target, lookup=b.lookup, lines=b.lines)
+    # hop 2: the last full layer's head 0, from the answer's slot to the asked line's code word
+    p_full = probs[forward.lookup_layer(model)]  # [B, H, T, T]
     has = b.lookup[:, 0] >= 0
     rows = torch.arange(len(b.lookup))[has]
-    want = -torch.log(p_layer[rows, 0, 320 + b.lookup[has, 0], b.lookup[has, 1]]).mean()
+    hop2 = -torch.log(p_full[rows, 0, 320 + b.lookup[has, 0], b.lookup[has, 1]]).mean()
+    # hop 1: layer 0's head 1, from every list code word to its key two tokens back
+    bi, ji = b.lines.nonzero(as_tuple=True)
+    hop1 = -torch.log(probs[0][bi, 1, ji, ji - 2]).mean()
     assert logits.shape == b.target.shape + (model.cfg.vocab_size,)
-    assert has.sum() >= 4 and torch.allclose(nll, want, rtol=1e-4, atol=1e-5)
+    assert has.sum() >= 4 and len(bi) >= 40
+    assert torch.allclose(nll, hop1 + hop2, rtol=1e-4, atol=1e-5)
 
 
 def test_training_on_the_lookup_loss_moves_the_attention():
@@ -75,7 +88,7 @@ def test_training_on_the_lookup_loss_moves_the_attention():
     opt = torch.optim.AdamW(trainer.param_groups(model, 0.0), lr=3e-3)
     micro = trainer.batches_for_step(cfg, tok, 0)  # one batch, seen again and again
     nll = []
-    for _ in range(25):
+    for _ in range(30):
         stats = trainer.step_body(model, opt, micro, False, False, 1.0, cfg, contextlib.nullcontext)
         nll.append(stats[3].item())
     first, last = sum(nll[:5]) / 5, sum(nll[-5:]) / 5

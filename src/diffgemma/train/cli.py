@@ -48,7 +48,8 @@ def train_main(argv: list[str] | None = None) -> dict:
         "--lookup-weight",
         type=float,
         default=d.lookup_weight,
-        help="weight of the retrieval attention loss on the last full layer's head 0 (0 = off, the default)",
+        help="weight of the two-hop retrieval attention loss: layer 0 head 1 from each list code word to its key, "
+        "the last full layer's head 0 from the answer's slot to the asked line's code word (0 = off)",
     )
     ap.add_argument("--time-limit", type=float, default=0.0, help="stop cleanly after this many seconds")
     ap.add_argument("--log-every", type=int, default=d.log_every)

@@ -111,12 +111,14 @@ def train_forward(
     moe: str = "dense",
     compiled: bool = False,
     lookup: torch.Tensor | None = None,
+    lines: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softcapped logits [B, C, V] for canvases [B, C] after left-padded prompts [B, P] (mask [B, P]).
 
     Self-conditioning as `model.denoise`: `sc_probs` [B, C, V] (normalised), or `sc_seed` (the canvas's own
     embedding), or neither. Differentiable w.r.t. every parameter that has requires_grad. With `lookup`
-    ([B, 2], see `lookup_nll`) returns (logits, lookup_nll).
+    ([B, 2]) and `lines` ([B, P]) returns (logits, the two hops' attention losses summed): `prev_token_nll` in
+    layer 0 and `lookup_nll` in `lookup_layer`.
     """
     b, p = prompt_ids.shape
     c = canvas_ids.shape[1]
@@ -130,14 +132,47 @@ def train_forward(
     for lt in set(model.cfg.layer_types):  # cos/sin once per layer type, in fp32 (cast in the layer)
         rope[lt] = ops.rope_cos_sin(model.inv_freq[lt].to(h.device), pos.reshape(-1), torch.float32)
     step = compiled_layer() if compiled else layer_forward
-    nll = None
+    nll = torch.zeros((), device=h.device)
+    eps = model.cfg.rms_norm_eps
     for layer in model.layers:
         cos, sin = rope[model.cfg.layer_types[layer.idx]]
+        if lookup is not None and layer.idx == 0:
+            nll = nll + prev_token_nll(layer, h, cos, sin, masks[layer.sliding], lines, eps)
         if lookup is not None and layer.idx == lookup_layer(model):
-            nll = lookup_nll(layer, h, cos, sin, masks[layer.sliding], lookup, p, model.cfg.rms_norm_eps)
+            nll = nll + lookup_nll(layer, h, cos, sin, masks[layer.sliding], lookup, p, eps)
         h = step(model, layer, h, cos, sin, masks[layer.sliding], is_prompt, moe)
     logits = model._logits(h[:, p:])
     return logits if lookup is None else (logits, nll)
+
+
+def prev_token_nll(
+    layer: Layer,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor,
+    lines: torch.Tensor,
+    eps: float,
+    head: int = 1,
+) -> torch.Tensor:
+    """The lookup's first hop: mean -log attention of `layer`'s head `head`, from each list code word
+    (lines[b, j]) to its key two tokens back, which puts the key into the code word's stream for the full layer
+    to match. Only prompt rows are involved (they see only prompt keys)."""
+    b, t, _ = h.shape
+    p = lines.shape[1]
+
+    def prompt_rows(z: torch.Tensor) -> torch.Tensor:  # cos/sin [B*T, d] -> the prompt slots' [B*P, d]
+        return z.view(b, t, -1)[:, :p].reshape(b * p, -1)
+
+    x = ops.rms_norm(h[:, :p], layer.input_layernorm, eps)
+    q, k, _ = _qkv(layer, x, prompt_rows(cos), prompt_rows(sin), eps)
+    kv = head // (q.shape[1] // k.shape[1])
+    scores = torch.einsum("bqd,bkd->bqk", q[:, head].float(), k[:, kv].float())
+    logp = torch.log_softmax(scores.masked_fill(~mask[:, 0, :p, :p], float("-inf")), -1)
+    j = torch.arange(2, p, device=h.device)
+    lp = logp[:, j, j - 2]  # [B, P - 2]
+    sel = lines[:, 2:]
+    return -torch.where(sel, lp, torch.zeros_like(lp)).sum() / sel.sum().clamp_min(1)
 
 
 def lookup_layer(model: DiffusionGemma) -> int:

@@ -40,6 +40,7 @@ import multiprocessing
 import os
 import queue
 import random
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -103,7 +104,7 @@ class TrainConfig:
     init: str = ""  # start from this checkpoint's weights and tokenizer (fine-tuning) instead of a fresh init
     mix: str = ""  # task weights over data.TASK_WEIGHTS, "task=weight,..."
     curriculum_steps: int = 0  # retrieval lists capped at 2 + step // 400 lines before this step (0 = off)
-    lookup_weight: float = 0.0  # weight of the retrieval attention loss (`forward.lookup_nll`); 0 = off
+    lookup_weight: float = 0.0  # weight of the two-hop retrieval attention loss (`forward`); 0 = off
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -159,9 +160,10 @@ class Batch:
     weight: torch.Tensor  # [B, C] loss weights
     content: torch.Tensor  # [B, C] True up to and including the stop token
     lookup: torch.Tensor  # [B, 2] a retrieval answer's code-word slot and its line's code word in the context
+    lines: torch.Tensor  # [B, P] True at a retrieval list's code words (each two tokens after its key)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.prompt, self.mask, self.target, self.weight, self.content, self.lookup)
+        return (self.prompt, self.mask, self.target, self.weight, self.content, self.lookup, self.lines)
 
     def to(self, device: str) -> Batch:
         nb = device != "cpu"
@@ -220,9 +222,25 @@ def lookup_tokens(tok: Tokenizer, ex: data.Example, prompt, target) -> tuple[int
     return in_target, in_prompt
 
 
+LIST_LINE = re.compile(r"^- (\S+): (\S+)$", re.M)
+
+
+def list_value_tokens(tok: Tokenizer, ex: data.Example, prompt) -> list[int]:
+    """Token indices of a retrieval list's code words whose key is the token two before; [] for other tasks."""
+    if ex.task != "retrieval":
+        return []
+    out = []
+    for m in LIST_LINE.finditer(ex.prompt):
+        j = prompt.char_to_token(m.start(2))
+        ids = (tok.token_to_id("Ġ" + m.group(1)), tok.token_to_id("Ġ" + m.group(2)))
+        if j is not None and j >= 2 and (prompt.ids[j - 2], prompt.ids[j]) == ids:
+            out.append(j)
+    return out
+
+
 def make_batch(
     tok: Tokenizer, examples: list[data.Example], rng: random.Random, canvas: int, pad_weight: float
-) -> list[tuple[list[int], list[int], list[float], list[bool], tuple[int, int]]]:
+) -> list[tuple[list[int], list[int], list[float], list[bool], tuple[int, int], list[int]]]:
     prompts = tok.encode_batch([e.prompt for e in examples], add_special_tokens=False)
     targets = tok.encode_batch([e.target for e in examples], add_special_tokens=False)
     rows = []
@@ -241,6 +259,7 @@ def make_batch(
                 [1.0] * n + [pad_weight] * (canvas - n),
                 [True] * n + [False] * (canvas - n),
                 (slot, look[1]) if look is not None and 0 <= slot < n else (-1, -1),
+                list_value_tokens(tok, ex, p),
             )
         )
     return rows
@@ -251,11 +270,14 @@ def collate(rows, length: int) -> Batch:
     prompt = torch.zeros(len(rows), length, dtype=torch.long)
     mask = torch.zeros(len(rows), length, dtype=torch.bool)
     lookup = torch.full((len(rows), 2), -1, dtype=torch.long)
+    lines = torch.zeros(len(rows), length, dtype=torch.bool)
     for i, r in enumerate(rows):
-        prompt[i, length - len(r[0]) :] = torch.tensor(r[0])
-        mask[i, length - len(r[0]) :] = True
-        if r[4][0] >= 0:  # the context index moves with the left padding
-            lookup[i] = torch.tensor([r[4][0], r[4][1] + length - len(r[0])])
+        pad = length - len(r[0])  # context indices move with the left padding
+        prompt[i, pad:] = torch.tensor(r[0])
+        mask[i, pad:] = True
+        if r[4][0] >= 0:
+            lookup[i] = torch.tensor([r[4][0], r[4][1] + pad])
+        lines[i, [pad + j for j in r[5]]] = True
     return Batch(
         prompt,
         mask,
@@ -263,6 +285,7 @@ def collate(rows, length: int) -> Batch:
         torch.tensor([r[2] for r in rows]),
         torch.tensor([r[3] for r in rows]),
         lookup,
+        lines,
     )
 
 
@@ -403,6 +426,15 @@ def corrupt(target: torch.Tensor, vocab: int, gen: torch.Generator | None = None
     return torch.where(hit, noise, target)
 
 
+def hidden_lookups(batch: Batch, noisy: torch.Tensor) -> torch.Tensor:
+    """batch.lookup, kept only where the corruption replaced the answer's code word: where the slot still shows
+    it, the head can match the slot's own token instead of the asked key (a CPU run learned just that)."""
+    slot = batch.lookup[:, 0].clamp_min(0)
+    rows = torch.arange(slot.shape[0], device=slot.device)
+    hidden = (batch.lookup[:, 0] >= 0) & (noisy[rows, slot] != batch.target[rows, slot])
+    return torch.where(hidden[:, None], batch.lookup, torch.full_like(batch.lookup, -1))
+
+
 def loss_on(
     model,
     batch: Batch,
@@ -412,8 +444,8 @@ def loss_on(
     autocast,
     lookup_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted loss (plus `lookup_weight` x the lookup attention loss) and, detached, (loss, content_loss,
-    content_acc, lookup_nll); lookup_nll is 0 when the weight is 0."""
+    """Weighted loss (plus `lookup_weight` x the two-hop lookup attention loss, `forward.lookup_nll`) and,
+    detached, (loss, content_loss, content_acc, lookup_nll); lookup_nll is 0 when the weight is 0."""
     vocab = model.cfg.vocab_size
     noisy = corrupt(batch.target, vocab)
     sc_probs = None
@@ -433,7 +465,8 @@ def loss_on(
             sc_probs=sc_probs,
             sc_seed=seed_first and not sc,
             compiled=compiled,
-            lookup=batch.lookup if lookup_weight > 0 else None,
+            lookup=hidden_lookups(batch, noisy) if lookup_weight > 0 else None,
+            lines=batch.lines,
         )
     logits, nll = out if lookup_weight > 0 else (out, torch.zeros((), device=out.device))
     ce = F.cross_entropy(logits.float().flatten(0, 1), batch.target.flatten(), reduction="none").view_as(
