@@ -22,7 +22,9 @@ def _tok() -> Tokenizer:
 
 def _batch(tok: Tokenizer, n: int, seed: int) -> tuple[list[data.Example], trainer.Batch]:
     exs = data.generate(n, seed=seed, tasks={"retrieval_short": 1.0, "arith": 0.5})
-    return exs, trainer.collate(trainer.make_batch(tok, exs, random.Random(seed), 32, 0.25), 320)
+    return exs, trainer.collate(
+        trainer.make_batch(tok, exs, random.Random(seed), 32, 0.25, lookups=True), 320
+    )
 
 
 def test_lookup_points_from_the_answer_slot_to_the_asked_lines_code_word():

@@ -318,12 +318,11 @@ def _retrieval(rng: random.Random, lines: tuple[int, int], filler: bool = False)
             "Tell me the code word for {k}.",
         )
     )
-    msgs = _messages(rng, f"Here is a list of code words.\n{lines_text}\n{q.format(k=keys[i])}")
+    head, question = f"Here is a list of code words.\n{lines_text}\n", q.format(k=keys[i])
+    msgs = _messages(rng, head + question)
     identity = render_gemma4(msgs)  # with or without filler, so a held-out list never trains
     if filler:
-        msgs[-1]["content"] = (
-            f"Here is a list of code words.\n{lines_text}\n{_filler(rng)}\n{q.format(k=keys[i])}"
-        )
+        msgs[-1]["content"] = f"{head}{_filler(rng)}\n{question}"
     prompt = render_gemma4(msgs)
     target = f"The code word for {keys[i]} is {vals[i]}.{TURN_END}"
     meta = {"key": keys[i], "value": vals[i], "index": i, "n": n}

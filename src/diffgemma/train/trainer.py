@@ -207,26 +207,12 @@ def split_point(rng: random.Random, n_target: int, canvas: int) -> int:
     return rng.randrange(1, n_target)
 
 
-def lookup_tokens(tok: Tokenizer, ex: data.Example, prompt, target) -> tuple[int, int] | None:
-    """For a retrieval example: (token index of the answer's code word in the target, token index of the asked
-    line's code word in the prompt), from the encodings' offsets; None for other tasks."""
-    meta = ex.meta
-    if ex.task != "retrieval" or "value" not in meta:
-        return None
-    key, value = meta["key"], meta["value"]
-    in_prompt = prompt.char_to_token(ex.prompt.index(f"- {key}: {value}\n") + len(f"- {key}: "))
-    in_target = target.char_to_token(ex.target.index(f" is {value}") + len(" is "))
-    want = tok.token_to_id("Ġ" + value)
-    if want is None or prompt.ids[in_prompt] != want or target.ids[in_target] != want:
-        return None  # a code word of several tokens: no single key to point at
-    return in_target, in_prompt
-
-
 LIST_LINE = re.compile(r"^- (\S+): (\S+)$", re.M)
 
 
 def list_value_tokens(tok: Tokenizer, ex: data.Example, prompt) -> list[int]:
-    """Token indices of a retrieval list's code words whose key is the token two before; [] for other tasks."""
+    """Token indices of a retrieval list's code words whose key is the token two before, in list order (from the
+    encoding's offsets); [] for other tasks."""
     if ex.task != "retrieval":
         return []
     out = []
@@ -238,9 +224,23 @@ def list_value_tokens(tok: Tokenizer, ex: data.Example, prompt) -> list[int]:
     return out
 
 
+def answer_value_token(tok: Tokenizer, ex: data.Example, target) -> int | None:
+    """Token index of a retrieval answer's code word in the target."""
+    j = target.char_to_token(ex.target.index(f" is {ex.meta['value']}") + len(" is "))
+    return j if target.ids[j] == tok.token_to_id("Ġ" + ex.meta["value"]) else None
+
+
 def make_batch(
-    tok: Tokenizer, examples: list[data.Example], rng: random.Random, canvas: int, pad_weight: float
+    tok: Tokenizer,
+    examples: list[data.Example],
+    rng: random.Random,
+    canvas: int,
+    pad_weight: float,
+    lookups: bool = False,
 ) -> list[tuple[list[int], list[int], list[float], list[bool], tuple[int, int], list[int]]]:
+    """Rows (context, canvas, loss weights, content mask, lookup, list code words); the last two are the
+    `--lookup-weight` pointers, filled only with `lookups` ((-1, -1) and [] otherwise: they cost a third of the
+    batch-building time)."""
     prompts = tok.encode_batch([e.prompt for e in examples], add_special_tokens=False)
     targets = tok.encode_batch([e.target for e in examples], add_special_tokens=False)
     rows = []
@@ -250,16 +250,20 @@ def make_batch(
         ctx = p.ids + t_ids[:s]
         part = t_ids[s : s + canvas]
         n = len(part)
-        look = lookup_tokens(tok, ex, p, t)
-        slot = -1 if look is None else look[0] - s
+        values = list_value_tokens(tok, ex, p) if lookups else []
+        look = (-1, -1)
+        if len(values) == ex.meta.get("n"):  # every line found: values[i] is the asked line's code word
+            answer = answer_value_token(tok, ex, t)
+            if answer is not None and 0 <= answer - s < n:
+                look = (answer - s, values[ex.meta["index"]])
         rows.append(
             (
                 ctx,
                 part + [PAD] * (canvas - n),
                 [1.0] * n + [pad_weight] * (canvas - n),
                 [True] * n + [False] * (canvas - n),
-                (slot, look[1]) if look is not None and 0 <= slot < n else (-1, -1),
-                list_value_tokens(tok, ex, p),
+                look,
+                values,
             )
         )
     return rows
@@ -320,7 +324,9 @@ def batches_for_step(cfg: TrainConfig, tok: Tokenizer, step: int) -> list[Batch]
             examples = data.generate(n - len(rows), seed=seed, tasks=weights, max_lines=cap)
             rows += [
                 r
-                for r in make_batch(tok, examples, rng, cfg.canvas_length, cfg.pad_weight)
+                for r in make_batch(
+                    tok, examples, rng, cfg.canvas_length, cfg.pad_weight, cfg.lookup_weight > 0
+                )
                 if len(r[0]) <= length
             ]
             draw += 1
