@@ -83,3 +83,17 @@ def test_fused_prefill_only_in_the_model_dtype(tiny_a):
     m.fast, m.fuse = True, True
     m.prefill(torch.arange(3, 20)[None], m.new_cache(64), compute_dtype=torch.float32)
     assert not any(r._seen for r in m.prefill_regions.values())
+
+
+@pytest.mark.parametrize("past", [0, 5, 7])
+def test_attention_window_matches_reference(past):
+    # blocks of `window` queries, GQA folded into the rows (4 query heads on 2 KV heads), past keys in front
+    g = torch.Generator().manual_seed(past)
+    h, hkv, t, d, w = 4, 2, 21, 16, 8
+    q = torch.randn(1, h, t, d, generator=g)
+    k = torch.randn(1, hkv, past + t, d, generator=g)
+    v = torch.randn(1, hkv, past + t, d, generator=g)
+    qpos, kpos = torch.arange(100, 100 + t), torch.arange(100 - past, 100 + t)
+    want = ref.attention(q, k, v, (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - w))
+    got = fast.attention_window(q, k, v, fast.window_blocks(qpos, kpos, w, h // hkv))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -70,7 +70,7 @@ def test_attention_window_and_causal_past_match_reference():
         mask = kpos[None] <= qpos[:, None]
         if sliding:
             mask &= kpos[None] > qpos[:, None] - w
-            got = fast.attention_window(q, k, v, qpos, kpos, w)
+            got = fast.attention_window(q, k, v, fast.window_blocks(qpos, kpos, w, 16 // hkv))
         else:
             got = fast.attention_causal_past(q, k[:, :, :p], v[:, :, :p], k[:, :, p:], v[:, :, p:])
         want = ref.attention(q.float(), k.float(), v.float(), mask)

@@ -140,33 +140,43 @@ def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if g == 1 else x.repeat_interleave(g, dim=1)
 
 
-def attention_window(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    window: int,
-) -> torch.Tensor:
-    """Causal sliding-window attention for a prefill chunk: query i sees keys with q-window < pos <= q.
-
-    Queries go in blocks of `window` rows; each block attends only to the key span it can see (at most
-    2*window - 1 keys), so the masked work is O(T * window), not O(T * S). Keys are sorted by position."""
-    h, t = q.shape[1], q.shape[2]
-    past = k.shape[2] - t  # keys: `past` contiguous positions before the chunk, then the chunk itself
-    k, v = _expand_kv(k, h), _expand_kv(v, h)
-    outs = []
+def window_blocks(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, groups: int
+) -> list[tuple[int, int, int, int, torch.Tensor]]:
+    """`attention_window`'s query blocks for a chunk at q_pos [T] over keys at k_pos (the past, then the
+    chunk, sorted): (s, e, lo, hi, mask) per block of `window` queries s:e, which sees keys lo:hi (at most
+    2*window - 1); mask [groups * (e - s), hi - lo] is the causal window, repeated for the `groups` query heads
+    that share a KV head. It depends on positions only, so a chunk builds it once for all its sliding layers
+    (per layer, its four elementwise kernels a block were ~400 launches in a 4,096-token chunk)."""
+    t = q_pos.shape[0]
+    past = k_pos.shape[0] - t
+    blocks = []
     for s in range(0, t, window):
         e = min(t, s + window)
-        lo, hi = max(0, past + s - window + 1), past + e  # the key span this query block can see
+        lo, hi = max(0, past + s - window + 1), past + e
         qp, kp = q_pos[s:e], k_pos[lo:hi]
         mask = (kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - window)
-        outs.append(
-            F.scaled_dot_product_attention(
-                q[:, :, s:e], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask, scale=1.0
-            )
-        )
-    return torch.cat(outs, dim=2)
+        blocks.append((s, e, lo, hi, mask.repeat(groups, 1)))
+    return blocks
+
+
+def attention_window(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[tuple[int, int, int, int, torch.Tensor]]
+) -> torch.Tensor:
+    """Causal sliding-window attention for a prefill chunk (query i sees keys with q - window < pos <= q),
+    scale 1. q [1, H, T, d]; k/v [1, Hkv, P + T, d], the past then the chunk; `blocks` from `window_blocks`.
+
+    Each block of queries attends only to the key span it can see, so the masked work is O(T * window), not
+    O(T * S). GQA is folded into the query rows ([1, Hkv, g * n, d]) so the KV heads are not expanded."""
+    _, h, t, d = q.shape
+    hkv = k.shape[1]
+    out = torch.empty_like(q)
+    for s, e, lo, hi, mask in blocks:
+        n = e - s
+        qf = q[:, :, s:e].reshape(1, hkv, (h // hkv) * n, d)
+        o = F.scaled_dot_product_attention(qf, k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask, scale=1.0)
+        out[:, :, s:e] = o.view(1, h, n, d)
+    return out
 
 
 def _sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):

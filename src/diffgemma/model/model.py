@@ -336,20 +336,21 @@ class DiffusionGemma(nn.Module):
         start, t = kv.length, ids.shape[0]
         positions = torch.arange(start, start + t, device=self.device)
         h = self._embed_tokens(ids).to(dtype)
+        fast = self.is_fast
+        blocks = self._window_blocks(kv, positions) if fast else None
         if self.is_fused and dtype == self.dtype:  # each layer's last region also norms the next's input
             x = None
             for layer, nxt in zip(self.layers, [*self.layers[1:], None], strict=True):
                 norm = None if nxt is None else nxt.input_layernorm
-                h, x = self._encode_layer_fused(layer, h, kv, positions, x, norm)
+                h, x = self._encode_layer_fused(layer, h, kv, positions, x, norm, blocks)
             kv.length = start + t
             return
-        fast = self.is_fast
         for layer in self.layers:
 
             def attend(x: torch.Tensor, layer: Layer = layer) -> torch.Tensor:
                 q, k, v = self._qkv(layer, x, positions)
                 if fast:
-                    out = self._prefill_attention_fast(layer, q, k, v, kv, positions)
+                    out = self._prefill_attention_fast(layer, q, k, v, kv, positions, blocks)
                     return out[0].transpose(0, 1).reshape(t, -1)
                 past_k, past_v, past_pos = kv.read(layer.idx, start)
                 keys = torch.cat([past_k.to(k.dtype), k], dim=2)
@@ -365,6 +366,16 @@ class DiffusionGemma(nn.Module):
             h = self._layer(layer, h, attend, layer.encoder_layer_scalar)
         kv.length = start + t
 
+    def _window_blocks(self, kv: KVCache, positions: torch.Tensor) -> list | None:
+        """The sliding layers' query blocks and masks for a prefill chunk at `positions` (`window_blocks`):
+        the same for all of them, as they all see the same key positions."""
+        sliding = [layer for layer in self.layers if layer.sliding]
+        if not sliding:
+            return None
+        key_pos = torch.cat([kv.window_positions(kv.length), positions])
+        groups = sliding[0].n_heads // sliding[0].n_kv
+        return fast_ops.window_blocks(positions, key_pos, self.cfg.sliding_window, groups)
+
     def _prefill_attention_fast(
         self,
         layer: Layer,
@@ -373,18 +384,18 @@ class DiffusionGemma(nn.Module):
         v: torch.Tensor,
         kv: KVCache,
         positions: torch.Tensor,
+        blocks: list | None,
     ) -> torch.Tensor:
         """The fast ops' causal attention of a prefill chunk (q [1,H,T,d], k/v [1,Hkv,T,d] at `positions`
-        = kv.length..) over the cached past and itself; writes the chunk's k/v into the cache."""
+        = kv.length..) over the cached past and itself; writes the chunk's k/v into the cache. `blocks`: the
+        chunk's `_window_blocks`."""
         start = kv.length
-        past_k, past_v, past_pos = kv.read(layer.idx, start)
+        past_k, past_v, _ = kv.read(layer.idx, start)
         kv.write(layer.idx, start, k, v)
         if layer.sliding:
             keys = torch.cat([past_k.to(k.dtype), k], dim=2)
             vals = torch.cat([past_v.to(v.dtype), v], dim=2)
-            key_pos = torch.cat([past_pos, positions])
-            w = self.cfg.sliding_window
-            return fast_ops.attention_window(q, keys, vals, positions, key_pos, w)
+            return fast_ops.attention_window(q, keys, vals, blocks)
         return fast_ops.attention_causal_past(q, past_k.to(k.dtype), past_v.to(v.dtype), k, v)
 
     def _encode_layer_fused(
@@ -395,6 +406,7 @@ class DiffusionGemma(nn.Module):
         positions: torch.Tensor,
         x: torch.Tensor | None,
         next_norm: torch.Tensor | None,
+        blocks: list | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One encoder layer on a prefill chunk h [T, hidden]: the fast path's math as the prefill regions
         (kernels/fused.py, compiled for any T) around the library GEMMs and the same attention calls.
@@ -404,7 +416,7 @@ class DiffusionGemma(nn.Module):
         r, eps = self.prefill_regions, self.cfg.rms_norm_eps
         q, k_raw, v, inv_freq = self._fused_qkv(layer, h, x, r, positions)
         q, k, v = r["qkv_post"](q, k_raw, v, layer.q_norm, layer.k_norm, inv_freq, positions, eps)
-        out = self._prefill_attention_fast(layer, q, k, v, kv, positions)
+        out = self._prefill_attention_fast(layer, q, k, v, kv, positions, blocks)
         return self._fused_ffn_half(layer, h, out, r, layer.encoder_layer_scalar, next_norm)
 
     def _fused_qkv(self, layer: Layer, h: torch.Tensor, x: torch.Tensor | None, regions: dict, positions):
