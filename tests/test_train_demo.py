@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import random
 from pathlib import Path
 
 import pytest
@@ -31,11 +31,11 @@ def _ask(engine, tok, question: str) -> tuple[str, object]:
     return tok.decode(out.token_ids, skip_special_tokens=False), out
 
 
-def test_demo_replies_in_the_arithmetic_format_within_seconds(demo):
+def test_demo_replies_in_the_arithmetic_format(demo):
+    # no wall-clock bound here: under load on a shared 2-core machine it failed once at 10 s (speed is the
+    # benchmarks' job, not a test's)
     engine, tok = demo
-    t0 = time.time()
     text, out = _ask(engine, tok, "What is 17 + 25?")
-    assert time.time() - t0 < 10
     assert text.startswith("17 + 25 = "), text
     assert out.finish_reason == "stop" and out.stop_token == 106  # ended on <turn|>
 
@@ -44,6 +44,26 @@ def test_demo_answers_arithmetic(demo):
     engine, tok = demo
     text, _ = _ask(engine, tok, "What is 17 + 25?")
     assert text == "17 + 25 = 42", text
+
+
+def test_demo_retrieves_a_line_beyond_the_sliding_window(demo):
+    # a 40-line list, asked for lines at its top: more than a sliding window (128 tokens) lies between
+    # them and the question, so only the full-attention layers' lookup can answer
+    engine, tok = demo
+    rng = random.Random(5)
+    keys = rng.sample(data.ANIMALS + data.OBJECTS, 40)
+    vals = [rng.choice(data.CODE_WORDS) for _ in keys]
+    listing = "\n".join(f"- {k}: {v}" for k, v in zip(keys, vals, strict=True))
+    for i in (0, 3, 6):
+        question = f"Here is a list of code words.\n{listing}\nWhat is the code word for {keys[i]}?"
+        prompt = render_gemma4([{"role": "user", "content": question}])
+        ids = tok.encode(prompt, add_special_tokens=False).ids
+        line_end = len(
+            tok.encode(prompt[: prompt.index(f"- {keys[i]}: {vals[i]}\n") + 1], add_special_tokens=False).ids
+        )
+        assert len(ids) - line_end > engine.config.sliding_window
+        text, _ = _ask(engine, tok, question)
+        assert text == f"The code word for {keys[i]} is {vals[i]}.", (i, text)
 
 
 def test_demo_calls_a_tool_in_the_gemma4_grammar(demo):
