@@ -1,8 +1,11 @@
-"""The bundled demo model runs on CPU through the Python API (skipped when the asset is not bundled)."""
+"""The bundled demo model runs on CPU through the Python API and the CLI (skipped when the asset is not bundled)."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,3 +91,21 @@ def test_demo_shape_and_size():
     cfg = diffgemma.ModelConfig.from_dir(DEMO)
     assert cfg.sliding_window < 256 and any(not cfg.is_sliding(i) for i in range(cfg.num_layers))
     assert diffgemma.SamplerConfig.from_dir(DEMO).max_denoising_steps <= 16
+
+
+def test_cli_ask_runs_the_bundled_model_when_no_other_is_found(tmp_path):
+    # the README's main job: no -m, no ./model, an empty HF cache -> the bundled demo model answers
+    if not (DEMO / "model.safetensors").exists():
+        pytest.skip(MISSING)
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf" / "hub")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "diffgemma.cli", "ask", "-p", "What is 17 + 25?"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "17 + 25 = 42", proc.stdout
+    assert f"model {DEMO}" in proc.stderr and "[stop]" in proc.stderr, proc.stderr
