@@ -97,3 +97,24 @@ def test_attention_window_matches_reference(past):
     want = ref.attention(q, k, v, (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - w))
     got = fast.attention_window(q, k, v, fast.window_blocks(qpos, kpos, w, h // hkv))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_post_ffn_combines_the_expert_outputs_of_each_row(weighted):
+    # eager post_ffn against the plain sum: the grouped GEMMs' output in expert-sorted order, gathered back by
+    # each pair's sorted position and weighted; or the Triton kernels' slots, already weighted, in row order
+    from diffgemma.kernels import fused
+
+    g = torch.Generator().manual_seed(3)
+    n, k, hid = 50, 3, 64
+    h, dense = torch.randn(n, hid, generator=g), torch.randn(n, hid, generator=g)
+    outs, w = torch.randn(n * k, hid, generator=g), torch.rand(n, k, generator=g)
+    w2, w1, scalar = torch.rand(hid, generator=g) + 0.5, torch.rand(hid, generator=g) + 0.5, torch.tensor(0.7)
+    perm = torch.randperm(n * k, generator=g)  # sorted position s holds pair perm[s]
+    slot = torch.empty_like(perm)
+    slot[perm] = torch.arange(n * k)
+    y = outs * w.reshape(-1, 1) if weighted else outs[perm]
+    got, _ = fused.post_ffn(h, dense, y, slot, w, w2, w1, scalar, None, 1e-6, weighted)
+    moe = (outs.view(n, k, hid) * w[:, :, None]).sum(1)
+    want = (h + ref.rms_norm(dense + ref.rms_norm(moe, w2, 1e-6), w1, 1e-6)) * scalar
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -168,7 +168,7 @@ def attention_window(
 
     Each block of queries attends only to the key span it can see, so the masked work is O(T * window), not
     O(T * S). GQA is folded into the query rows ([1, Hkv, g * n, d]) so the KV heads are not expanded."""
-    _, h, t, d = q.shape
+    _, h, _, d = q.shape
     hkv = k.shape[1]
     out = torch.empty_like(q)
     for s, e, lo, hi, mask in blocks:

@@ -136,11 +136,14 @@ def post_ffn(
     # The k terms summed one by one: a pointwise kernel over [N, H] whose loads run along H. As a sum over
     # dim 1 of [N, k, H], inductor made a reduction that took 0.36 ms a layer for a 4,096-token prefill chunk,
     # 8x its read, after a 0.17 ms scatter (index_put) back to (row, j) order that the gather by slot replaces.
-    rows = slot.view(n, k)
-    moe = None
-    for j in range(k):
-        term = y.view(n, k, -1)[:, j] if weighted else y[rows[:, j]].float() * weights[:, j : j + 1].float()
-        moe = term if moe is None else moe + term
+    if weighted:
+        terms = [y.view(n, k, -1)[:, j] for j in range(k)]
+    else:
+        rows = slot.view(n, k)
+        terms = [y[rows[:, j]].float() * weights[:, j : j + 1].float() for j in range(k)]
+    moe = terms[0]
+    for term in terms[1:]:
+        moe = moe + term
     moe = ref.rms_norm(moe.to(h.dtype), w_post_ff2, eps)
     h = h + ref.rms_norm(dense + moe, w_post_ff, eps)
     h = h * scalar.to(h.dtype)
