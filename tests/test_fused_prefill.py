@@ -20,13 +20,13 @@ def test_attention_causal_scores_matches_reference(past, block):
     k = torch.randn(1, hkv, past + t, d, generator=g)
     v = torch.randn(1, hkv, past + t, d, generator=g)
     qpos, kpos = torch.arange(past, past + t), torch.arange(past + t)
-    want = ref.attention(q, k, v, kpos[None] <= qpos[:, None])
-    p = past
-    got = fast.attention_causal_scores(q, k[:, :, :p], v[:, :, :p], k[:, :, p:], v[:, :, p:], block=block)
+    want = fast.rows(ref.attention(q, k, v, kpos[None] <= qpos[:, None]))
+    got = fast.attention_causal_scores(q, k, v, block=block)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32 all through: rounding only
+    # the two-kernel path of attention_causal_past (CPU, or d <= 256), merged by log-sum-exp
+    torch.testing.assert_close(fast.attention_causal_past(q, k, v), want, rtol=1e-5, atol=1e-5)
     # bf16: P rounded to bf16 before P @ V, as flash kernels do; ~3 significant digits
-    bf = [x.bfloat16() for x in (q, k[:, :, :p], v[:, :, :p], k[:, :, p:], v[:, :, p:])]
-    got16 = fast.attention_causal_scores(*bf, block=block)
+    got16 = fast.attention_causal_scores(q.bfloat16(), k.bfloat16(), v.bfloat16(), block=block)
     assert got16.dtype == torch.bfloat16
     assert float((got16.float() - want).norm() / want.norm()) < 1e-2
 
@@ -86,8 +86,11 @@ def test_fused_prefill_only_in_the_model_dtype(tiny_a):
 
 
 @pytest.mark.parametrize("past", [0, 5, 7])
-def test_attention_window_matches_reference(past):
-    # blocks of `window` queries, GQA folded into the rows (4 query heads on 2 KV heads), past keys in front
+@pytest.mark.parametrize("block", [3, 8, 32])
+def test_attention_window_matches_reference(past, block):
+    # blocks of queries in one call, each over a strided view of one key buffer (ragged: 21 is no multiple of
+    # 3, 8 or 32), GQA folded into the rows (4 query heads on 2 KV heads); the window (8) sees `past` cached
+    # positions: 0 and 5 leave slots without a position (masked per block), 7 = window - 1 shares one mask
     g = torch.Generator().manual_seed(past)
     h, hkv, t, d, w = 4, 2, 21, 16, 8
     q = torch.randn(1, h, t, d, generator=g)
@@ -95,8 +98,11 @@ def test_attention_window_matches_reference(past):
     v = torch.randn(1, hkv, past + t, d, generator=g)
     qpos, kpos = torch.arange(100, 100 + t), torch.arange(100 - past, 100 + t)
     want = ref.attention(q, k, v, (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - w))
-    got = fast.attention_window(q, k, v, fast.window_blocks(qpos, kpos, w, h // hkv))
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    kv = torch.cat([k, v])  # [2, hkv, past + t, d]
+    bias = fast.window_bias(past, t, w, h // hkv, q.dtype, "cpu", block)
+    assert bias.shape[0] == (1 if past == w - 1 else -(-t // block))
+    got = fast.attention_window(q, kv[:, :, :past], kv[:, :, past:], bias)
+    torch.testing.assert_close(got, fast.rows(want), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("weighted", [False, True])

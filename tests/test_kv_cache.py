@@ -112,7 +112,7 @@ def test_ring_read_and_read_with_across_wraps_and_rewinds(tiny_a, max_tokens, ri
             break
         s += 1
         for i in range(cfg.num_layers):
-            kv.write(i, kv.length, *_pos_kv(cfg, i, kv.length, t, s))
+            kv.write(i, kv.length, torch.cat(_pos_kv(cfg, i, kv.length, t, s)))
         salt.update(dict.fromkeys(range(kv.length, kv.length + t), s))
         kv.length += t
         fp[kv.length] = kv.fingerprint()
@@ -124,7 +124,7 @@ def test_ring_read_and_read_with_across_wraps_and_rewinds(tiny_a, max_tokens, ri
             check()
             s += 1
             for i in range(cfg.num_layers):
-                kv.write(i, back, *_pos_kv(cfg, i, back, 3, s))
+                kv.write(i, back, torch.cat(_pos_kv(cfg, i, back, 3, s)))
             salt.update(dict.fromkeys(range(back, back + 3), s))
             kv.length = back + 3
             fp[kv.length] = kv.fingerprint()

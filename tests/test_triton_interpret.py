@@ -78,6 +78,16 @@ def _check_softmax() -> None:
         # the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest): within one bf16 ulp
         got_bf = ts.softmax_rows(x, torch.bfloat16).double()
         assert got_bf.shape == x.shape and bool(((got_bf - want).abs() <= want * 2**-7 + 1e-30).all()), n_cols
+    # causal (base, period): row r keeps its first base + r % period columns (capped at the row), zeros after;
+    # the causal blocks of a full-layer prefill chunk, limits on both sides of a block boundary
+    for n_cols, base, period in ((700, 5, 3), (2 * ts.BLOCK + 5, ts.BLOCK - 1, 4), (40, 38, 5)):
+        x = torch.randn(2, 2 * period, n_cols, generator=g) * 8
+        r = torch.arange(2 * period)[:, None] % period
+        keep = torch.arange(n_cols)[None, :] < base + r
+        want = torch.softmax(x.double().masked_fill(~keep, float("-inf")), dim=-1)
+        got = ts.softmax_rows(x, torch.float32, (base, period))
+        assert float((got.double() - want).abs().max()) < 1e-6, (n_cols, base, period)
+        assert bool((got.masked_select(~keep.expand_as(got)) == 0).all())  # exact zeros past the limit
     with pytest.raises(ValueError, match="fp32 rows"):
         ts.softmax_rows(torch.zeros(2, 4, dtype=torch.float64), torch.float32)
 

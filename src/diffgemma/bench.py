@@ -453,7 +453,7 @@ def _cache_from_hf(model: DiffusionGemma, cache, ctx: int):
     kv = model.new_cache(ctx + 2 * model.cfg.canvas_length)
     for i, layer in enumerate(cache.layers):
         k, v = layer.keys, layer.values  # [1, heads, kept, d]: a sliding layer may keep only its window
-        kv.write(i, ctx - k.shape[2], k, v)
+        kv.write(i, ctx - k.shape[2], torch.cat([k, v]))
     kv.length = ctx
     return kv
 

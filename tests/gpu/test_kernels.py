@@ -58,23 +58,29 @@ def test_softmax_to_bf16_matches_torch():
     assert bool(((got.double() - want).abs() <= want * (2**-8 + 1e-5) + 1e-30).all())  # half a bf16 ulp
 
 
-def test_attention_window_and_causal_past_match_reference():
-    t, past, w = 4096, 1023, 1024
+@pytest.mark.parametrize("start", [0, 700, 20000])
+def test_attention_window_and_causal_past_match_reference(start):
+    # the real shapes; a chunk of 4000 (not a multiple of the window's query block); the window sees 0, 700
+    # (masked slots in the first blocks) or window - 1 past positions (one shared mask)
+    t, w = 4000, 1024
     for hd, hkv, sliding in [(256, 8, True), (512, 2, False)]:
-        p = past if sliding else 9000
+        p = min(start, w - 1) if sliding else start
         q = torch.randn(1, 16, t, hd, device=DEV, dtype=torch.bfloat16) * hd**-0.25
         k = torch.randn(1, hkv, p + t, hd, device=DEV, dtype=torch.bfloat16) * hd**-0.25
         v = torch.randn(1, hkv, p + t, hd, device=DEV, dtype=torch.bfloat16)
-        qpos = torch.arange(20000, 20000 + t, device=DEV)
-        kpos = torch.arange(20000 - p, 20000 + t, device=DEV)
+        qpos = torch.arange(start, start + t, device=DEV)
+        kpos = torch.arange(start - p, start + t, device=DEV)
         mask = kpos[None] <= qpos[:, None]
         if sliding:
             mask &= kpos[None] > qpos[:, None] - w
-            got = fast.attention_window(q, k, v, fast.window_blocks(qpos, kpos, w, 16 // hkv))
+            kv = torch.cat([k, v])
+            bias = fast.window_bias(p, t, w, 16 // hkv, q.dtype, DEV)
+            got = fast.attention_window(q, kv[:, :, :p], kv[:, :, p:], bias)
         else:
-            got = fast.attention_causal_past(q, k[:, :, :p], v[:, :, :p], k[:, :, p:], v[:, :, p:])
-        want = ref.attention(q.float(), k.float(), v.float(), mask)
+            got = fast.attention_causal_past(q, k, v)
+        want = fast.rows(ref.attention(q.float(), k.float(), v.float(), mask))
         assert rel(got, want) < 1e-2, (hd, sliding)
+    assert "triton_softmax" not in fast.triton_failed_kernels
 
 
 def _tiny_bf16_model_with_prompt(tmp_path):
@@ -216,13 +222,12 @@ def test_attention_causal_scores_matches_reference(past, monkeypatch):
     k = torch.randn(1, hkv, past + t, hd, device=DEV, dtype=torch.bfloat16) * hd**-0.25
     v = torch.randn(1, hkv, past + t, hd, device=DEV, dtype=torch.bfloat16)
     qpos, kpos = torch.arange(past, past + t, device=DEV), torch.arange(past + t, device=DEV)
-    want = ref.attention(q.float(), k.float(), v.float(), kpos[None] <= qpos[:, None])
-    parts = (q, k[:, :, :past], v[:, :, :past], k[:, :, past:], v[:, :, past:])
-    assert rel(fast.attention_causal_past(*parts), want) < 1e-2  # one block
-    assert rel(fast.attention_causal_scores(*parts, block=96), want) < 1e-2  # 11 blocks, the last ragged
+    want = fast.rows(ref.attention(q.float(), k.float(), v.float(), kpos[None] <= qpos[:, None]))
+    assert rel(fast.attention_causal_past(q, k, v), want) < 1e-2  # one block
+    assert rel(fast.attention_causal_scores(q, k, v, block=96), want) < 1e-2  # 11 blocks, the last ragged
     # the block size from the score budget: room for ~300 query rows -> blocks of 256 (3 full, 1 ragged)
     monkeypatch.setattr(fast, "SCORE_BYTES", 4 * 16 * (past + t) * 300)
-    assert rel(fast.attention_causal_past(*parts), want) < 1e-2
+    assert rel(fast.attention_causal_past(q, k, v), want) < 1e-2
     assert "triton_softmax" not in fast.triton_failed_kernels
 
 

@@ -115,17 +115,22 @@ class KVCache:
         a = start % self.period
         return a, a + end - start
 
+    def span(self, layer: int, end: int) -> torch.Tensor:
+        """K and V [2, kv_heads, n, head_dim] of what `layer` attends to before position `end`, in position
+        order: a view of the cache, valid until the next `write`."""
+        a, b = self._span(layer, end)
+        return self.kv[layer][:, :, a:b]
+
     def read(self, layer: int, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """K, V and positions of what `layer` attends to before position `end` (default: the cache length).
 
         Full layers: views. Sliding layers: copies, as a later `write` may overwrite those slots."""
         end = self.length if end is None else end
-        a, b = self._span(layer, end)
+        kv = self.span(layer, end)
         if self.cfg.is_sliding(layer):
-            pos = self.window_positions(end)
-            return self.k[layer][:, :, a:b].clone(), self.v[layer][:, :, a:b].clone(), pos
-        pos = torch.arange(0, end, device=self.device)
-        return self.k[layer][:, :, a:b], self.v[layer][:, :, a:b], pos
+            kv = kv.clone()
+            return kv[0:1], kv[1:2], self.window_positions(end)
+        return kv[0:1], kv[1:2], torch.arange(0, end, device=self.device)
 
     def read_with(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of what `layer` attends to at the cache length, followed by a canvas's own k/v [1, h, C, d].
@@ -151,34 +156,31 @@ class KVCache:
         self.kv[layer][:, :, b : b + c].copy_(kv)
         return self.k[layer][:, :, a : b + c], self.v[layer][:, :, a : b + c]
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K/V [1, heads, T, d] for positions start .. start+T-1 (does not move `length`)."""
-        t = k.shape[2]
+    def write(self, layer: int, start: int, kv: torch.Tensor) -> None:
+        """Store K and V stacked [2, heads, T, d] for positions start .. start+T-1 (does not move `length`)."""
+        t = kv.shape[2]
         if start + t > self.max_tokens:
             raise ValueError(f"KV cache full: {start + t} tokens > max_tokens {self.max_tokens}")
-        k, v = k.to(self.dtype), v.to(self.dtype)
+        kv = kv.to(self.dtype)
         if not self.cfg.is_sliding(layer):
-            self.k[layer][:, :, start : start + t] = k
-            self.v[layer][:, :, start : start + t] = v
+            self.kv[layer][:, :, start : start + t] = kv
             return
         keep = min(t, self.ring_size)
         self.oldest = max(self.oldest, start + t - self.ring_size)
         first = start + t - keep  # positions first.. go to slots first % period.., wrapping at most once
         a = first % self.period
         n = min(keep, self.period - a)
-        self._put(layer, a, k[:, :, t - keep : t - keep + n], v[:, :, t - keep : t - keep + n])
+        self._put(layer, a, kv[:, :, t - keep : t - keep + n])
         if n < keep:
-            self._put(layer, 0, k[:, :, t - keep + n :], v[:, :, t - keep + n :])
+            self._put(layer, 0, kv[:, :, t - keep + n :])
 
-    def _put(self, layer: int, a: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k/v into ring slots a.. (no wrap), and the part below `mirror` into its mirror slots too."""
-        b = a + k.shape[2]
-        self.k[layer][:, :, a:b] = k
-        self.v[layer][:, :, a:b] = v
+    def _put(self, layer: int, a: int, kv: torch.Tensor) -> None:
+        """K and V into ring slots a.. (no wrap), and the part below `mirror` into its mirror slots too."""
+        b = a + kv.shape[2]
+        self.kv[layer][:, :, a:b] = kv
         m = min(b, self.mirror) - a
         if m > 0:
-            self.k[layer][:, :, self.period + a : self.period + a + m] = k[:, :, :m]
-            self.v[layer][:, :, self.period + a : self.period + a + m] = v[:, :, :m]
+            self.kv[layer][:, :, self.period + a : self.period + a + m] = kv[:, :, :m]
 
     def can_truncate(self, pos: int) -> bool:
         """True when the rings still hold the window that precedes `pos`."""

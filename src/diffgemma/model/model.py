@@ -337,12 +337,12 @@ class DiffusionGemma(nn.Module):
         positions = torch.arange(start, start + t, device=self.device)
         h = self._embed_tokens(ids).to(dtype)
         fast = self.is_fast
-        blocks = self._window_blocks(kv, positions) if fast else None
+        bias = self._window_bias(kv, t, dtype) if fast else None
         if self.is_fused and dtype == self.dtype:  # each layer's last region also norms the next's input
             x = None
             for layer, nxt in zip(self.layers, [*self.layers[1:], None], strict=True):
                 norm = None if nxt is None else nxt.input_layernorm
-                h, x = self._encode_layer_fused(layer, h, kv, positions, x, norm, blocks)
+                h, x = self._encode_layer_fused(layer, h, kv, positions, x, norm, bias)
             kv.length = start + t
             return
         for layer in self.layers:
@@ -350,8 +350,7 @@ class DiffusionGemma(nn.Module):
             def attend(x: torch.Tensor, layer: Layer = layer) -> torch.Tensor:
                 q, k, v = self._qkv(layer, x, positions)
                 if fast:
-                    out = self._prefill_attention_fast(layer, q, k, v, kv, positions, blocks)
-                    return out[0].transpose(0, 1).reshape(t, -1)
+                    return self._prefill_attention_fast(layer, q, torch.cat([k, v]), kv, bias)
                 past_k, past_v, past_pos = kv.read(layer.idx, start)
                 keys = torch.cat([past_k.to(k.dtype), k], dim=2)
                 vals = torch.cat([past_v.to(v.dtype), v], dim=2)
@@ -359,44 +358,41 @@ class DiffusionGemma(nn.Module):
                 mask = key_pos[None, :] <= positions[:, None]
                 if layer.sliding:
                     mask &= key_pos[None, :] > positions[:, None] - self.cfg.sliding_window
-                kv.write(layer.idx, start, k, v)
+                kv.write(layer.idx, start, torch.cat([k, v]))
                 out = ops.attention(q, keys, vals, mask)
                 return out[0].transpose(0, 1).reshape(t, -1)
 
             h = self._layer(layer, h, attend, layer.encoder_layer_scalar)
         kv.length = start + t
 
-    def _window_blocks(self, kv: KVCache, positions: torch.Tensor) -> list | None:
-        """The sliding layers' query blocks and masks for a prefill chunk at `positions` (`window_blocks`):
+    def _window_bias(self, kv: KVCache, t: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The sliding layers' attention mask for a prefill chunk of t tokens after the cache (`window_bias`):
         the same for all of them, as they all see the same key positions."""
         sliding = [layer for layer in self.layers if layer.sliding]
         if not sliding:
             return None
-        key_pos = torch.cat([kv.window_positions(kv.length), positions])
+        w = self.cfg.sliding_window
         groups = sliding[0].n_heads // sliding[0].n_kv
-        return fast_ops.window_blocks(positions, key_pos, self.cfg.sliding_window, groups)
+        return fast_ops.window_bias(min(kv.length, w - 1), t, w, groups, dtype, self.device)
 
     def _prefill_attention_fast(
-        self,
-        layer: Layer,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv: KVCache,
-        positions: torch.Tensor,
-        blocks: list | None,
+        self, layer: Layer, q: torch.Tensor, chunk: torch.Tensor, kv: KVCache, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """The fast ops' causal attention of a prefill chunk (q [1,H,T,d], k/v [1,Hkv,T,d] at `positions`
-        = kv.length..) over the cached past and itself; writes the chunk's k/v into the cache. `blocks`: the
-        chunk's `_window_blocks`."""
-        start = kv.length
-        past_k, past_v, _ = kv.read(layer.idx, start)
-        kv.write(layer.idx, start, k, v)
+        """The fast ops' causal attention of a prefill chunk (q [1,H,T,d], its K and V stacked [2,Hkv,T,d],
+        at positions kv.length..) over the cached past and itself, as rows [T, H*d]; writes the chunk's K/V
+        into the cache. `bias`: the chunk's `_window_bias`."""
+        start, t = kv.length, q.shape[2]
+        # A sliding layer's window is copied into the attention's buffer before the write may overwrite it.
         if layer.sliding:
-            keys = torch.cat([past_k.to(k.dtype), k], dim=2)
-            vals = torch.cat([past_v.to(v.dtype), v], dim=2)
-            return fast_ops.attention_window(q, keys, vals, blocks)
-        return fast_ops.attention_causal_past(q, past_k.to(k.dtype), past_v.to(v.dtype), k, v)
+            out = fast_ops.attention_window(q, kv.span(layer.idx, start).to(q.dtype), chunk, bias)
+            kv.write(layer.idx, start, chunk)
+            return out
+        kv.write(layer.idx, start, chunk)
+        if chunk.dtype == kv.dtype:  # the past, then the chunk just written: one view of the cache
+            both = kv.span(layer.idx, start + t)
+        else:
+            both = torch.cat([kv.span(layer.idx, start).to(chunk.dtype), chunk], dim=2)
+        return fast_ops.attention_causal_past(q, both[0:1], both[1:2])
 
     def _encode_layer_fused(
         self,
@@ -406,7 +402,7 @@ class DiffusionGemma(nn.Module):
         positions: torch.Tensor,
         x: torch.Tensor | None,
         next_norm: torch.Tensor | None,
-        blocks: list | None,
+        bias: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One encoder layer on a prefill chunk h [T, hidden]: the fast path's math as the prefill regions
         (kernels/fused.py, compiled for any T) around the library GEMMs and the same attention calls.
@@ -415,9 +411,9 @@ class DiffusionGemma(nn.Module):
         input_layernorm, applied in this layer's last region. Returns (h, the next layer's normed input)."""
         r, eps = self.prefill_regions, self.cfg.rms_norm_eps
         q, k_raw, v, inv_freq = self._fused_qkv(layer, h, x, r, positions)
-        q, k, v = r["qkv_post"](q, k_raw, v, layer.q_norm, layer.k_norm, inv_freq, positions, eps)
-        out = self._prefill_attention_fast(layer, q, k, v, kv, positions, blocks)
-        return self._fused_ffn_half(layer, h, out, r, layer.encoder_layer_scalar, next_norm)
+        q, chunk = r["qkv_post"](q, k_raw, v, layer.q_norm, layer.k_norm, inv_freq, positions, eps, True)
+        attn = self._prefill_attention_fast(layer, q, chunk, kv, bias)
+        return self._fused_ffn_half(layer, h, attn, r, layer.encoder_layer_scalar, next_norm)
 
     def _fused_qkv(self, layer: Layer, h: torch.Tensor, x: torch.Tensor | None, regions: dict, positions):
         """The merged q/k/v GEMM of a fused layer on h [T, hidden] (its normed input x made here unless the
@@ -441,11 +437,11 @@ class DiffusionGemma(nn.Module):
         scalar: torch.Tensor,
         next_norm: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A fused layer from its attention output out [1, H, T, d]: o_proj, then the FFN half
+        """A fused layer from its attention output as rows [T, H*d]: o_proj, then the FFN half
         (fused.moe_layer_ffn on `regions`) ending in `scalar` (the decoder's or the encoder's layer scalar)
         and, with `next_norm`, the next layer's normed input. Returns (h, that input or None)."""
-        dt, t = h.dtype, h.shape[0]
-        attn = F.linear(out[0].transpose(0, 1).reshape(t, -1), layer.o_proj.to(dt))
+        dt = h.dtype
+        attn = F.linear(out, layer.o_proj.to(dt))
         p = layer.ffn_params(dt)
         p["layer_scalar"] = scalar.to(dt)
         res = fused_ops.moe_layer_ffn(
@@ -506,5 +502,5 @@ class DiffusionGemma(nn.Module):
         q, k_raw, v, inv_freq = self._fused_qkv(layer, h, x, r, positions)
         q, kv_new = r["qkv_post"](q, k_raw, v, layer.q_norm, layer.k_norm, inv_freq, positions, eps, True)
         keys, vals = kv.read_with_kv(layer.idx, kv_new)  # views: cached span + this canvas, no gather
-        out = fast_ops.attention_nomask(q, keys, vals)
+        out = fast_ops.rows(fast_ops.attention_nomask(q, keys, vals))
         return self._fused_ffn_half(layer, h, out, r, layer.layer_scalar, next_norm)
