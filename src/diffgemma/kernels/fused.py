@@ -12,6 +12,7 @@ The prefill runs the same functions from a second set of `Fused`, compiled with 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import time
@@ -76,25 +77,19 @@ def pre_ffn(
     w_post_attn: torch.Tensor,
     w_pre_ff: torch.Tensor,
     w_pre_ff2: torch.Tensor,
-    w_post_ff1: torch.Tensor,
-    mlp_gate_up: torch.Tensor,
-    mlp_down: torch.Tensor,
     router_proj: torch.Tensor,
     router_scale: torch.Tensor,
     per_expert_scale: torch.Tensor,
     eps: float,
     top_k: int,
 ):
-    """Attention residual, the dense MLP (normed; gate and up as one GEMM on [gate; up]), routing, and the
-    expert-sorted gather of the MoE input.
+    """Attention residual, routing, and the expert-sorted order of the MoE input.
 
-    Returns h (after the attention residual), dense (post_feedforward_layernorm_1'd), x2 [N, H] (the experts'
+    Returns h (after the attention residual), x (the dense MLP's normed input), x2 [N, H] (the experts'
     input), bounds (int32 [E + 1]: expert e owns sorted pairs bounds[e]:bounds[e+1]), perm (the stable sort
     of the flat (row, j) pairs by expert), slot (its inverse: pair i's sorted position), weights [N, k] fp32."""
     h = h + ref.rms_norm(attn, w_post_attn, eps)
     x = ref.rms_norm(h, w_pre_ff, eps)
-    dense = F.linear(gelu_mul(F.linear(x, mlp_gate_up)), mlp_down)
-    dense = ref.rms_norm(dense, w_post_ff1, eps)
     weights, ids = ref.route(h, router_proj, router_scale, per_expert_scale, top_k, eps)
     x2 = ref.rms_norm(h, w_pre_ff2, eps)
     n_exp = router_proj.shape[0]
@@ -110,7 +105,14 @@ def pre_ffn(
     perm = torch.empty_like(flat)
     perm[slot] = torch.arange(flat.shape[0], device=flat.device)
     bounds = F.pad(offs, (1, 0))
-    return h, dense, x2, bounds, perm, slot, weights
+    return h, x, x2, bounds, perm, slot, weights
+
+
+def dense_mlp(
+    x: torch.Tensor, mlp_gate_up: torch.Tensor, mlp_down: torch.Tensor, w_post_ff1: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """The dense MLP on its normed input (gate and up as one GEMM on [gate; up]), post_feedforward_layernorm_1'd."""
+    return ref.rms_norm(F.linear(gelu_mul(F.linear(x, mlp_gate_up)), mlp_down), w_post_ff1, eps)
 
 
 def post_ffn(
@@ -168,21 +170,24 @@ def moe_layer_ffn(
     gate_up_dense = p.get("mlp_gate_up")
     if gate_up_dense is None:
         gate_up_dense = torch.cat([p["mlp_gate"], p["mlp_up"]])
-    h, dense, x2, bounds, perm, slot, weights = regions["pre_ffn"](
+    h, x, x2, bounds, perm, slot, weights = regions["pre_ffn"](
         h,
         attn,
         p["post_attention_layernorm"],
         p["pre_feedforward_layernorm"],
         p["pre_feedforward_layernorm_2"],
-        p["post_feedforward_layernorm_1"],
-        gate_up_dense,
-        p["mlp_down"],
         p["router_proj"],
         p["router_scale"],
         p["per_expert_scale"],
         eps,
         top_k,
     )
+    # The dense MLP does not depend on the routing: on CUDA it runs on a side stream, beside the experts.
+    side = _side_stream(x)
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        dense = regions["dense_mlp"](x, gate_up_dense, p["mlp_down"], p["post_feedforward_layernorm_1"], eps)
     gate_up, down = p["experts_gate_up"], p["experts_down"]
     y = None
     tm = cuda.triton_moe_for(x2, perm, gate_up)
@@ -199,6 +204,8 @@ def moe_layer_ffn(
         offs = bounds[1:]
         gu = _grouped_mm(x2[perm // top_k], gate_up.transpose(1, 2), offs=offs)
         y = _grouped_mm(regions["gelu_mul"](gu), down.transpose(1, 2), offs=offs)
+    if side is not None:
+        torch.cuda.current_stream().wait_stream(side)
     h, x_next = regions["post_ffn"](
         h,
         dense,
@@ -213,6 +220,19 @@ def moe_layer_ffn(
         weighted,
     )
     return h if next_norm is None else (h, x_next)
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(x: torch.Tensor) -> torch.cuda.Stream | None:
+    """The second stream of x's CUDA device (None on other devices). A CUDA graph captures the work queued on
+    it as a branch that runs concurrently with the capturing stream's."""
+    if not x.is_cuda:
+        return None
+    if x.device not in _side_streams:
+        _side_streams[x.device] = torch.cuda.Stream(x.device)
+    return _side_streams[x.device]
 
 
 # -- compilation -------------------------------------------------------------------------------------------
@@ -294,6 +314,7 @@ TOKEN_ARGS: dict[str, tuple[str, ...]] = {
     "norm": ("x",),
     "qkv_post": ("q", "k_raw", "v", "positions"),
     "pre_ffn": ("h", "attn"),
+    "dense_mlp": ("x",),
     "gelu_mul": ("gu",),
     "post_ffn": ("h", "dense", "y", "slot", "weights"),
 }
@@ -302,7 +323,8 @@ TOKEN_ARGS: dict[str, tuple[str, ...]] = {
 def make_regions(enabled: bool = True, mode: str | None = None, dynamic: bool = False) -> dict:
     """The regions, compiled for fixed shapes (the denoise step) or, `dynamic`, for any token count (the
     prefill chunks, which have no logits: no softcap region)."""
-    fns = [("norm", norm), ("qkv_post", qkv_post), ("pre_ffn", pre_ffn), ("gelu_mul", gelu_mul)]
+    fns = [("norm", norm), ("qkv_post", qkv_post), ("pre_ffn", pre_ffn), ("dense_mlp", dense_mlp)]
+    fns += [("gelu_mul", gelu_mul)]
     fns += [("post_ffn", post_ffn)] + ([] if dynamic else [("softcap", softcap)])
     return {
         name: Fused(fn, mode=mode, enabled=enabled, dynamic=TOKEN_ARGS[name] if dynamic else ())
