@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from diffgemma.config import ModelConfig, SamplerConfig
-from diffgemma.model.model import DiffusionGemma
+from diffgemma.model.model import PREFILL_CHUNK, DiffusionGemma
 
 GIB = 1024**3
 
@@ -614,7 +614,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--prefill-token-budget", type=int, default=262144, help="fewer prefill reps at long contexts"
     )
-    p.add_argument("--prefill-chunk", type=int, default=4096)
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK)
     p.add_argument(
         "--gen-steps", type=int, default=48, help="fixed denoise steps of the generation (0 = skip)"
     )
