@@ -420,8 +420,8 @@ class DiffusionGemma(nn.Module):
         r, eps = self.prefill_regions, self.cfg.rms_norm_eps
         q, k_raw, v, inv_freq = self._fused_qkv(layer, h, x, r, positions)
         q, chunk = r["qkv_post"](q, k_raw, v, layer.q_norm, layer.k_norm, inv_freq, positions, eps, True)
-        attn = self._prefill_attention_fast(layer, q, chunk, kv, bias)
-        return self._fused_ffn_half(layer, h, attn, r, layer.encoder_layer_scalar, next_norm)
+        attn_rows = self._prefill_attention_fast(layer, q, chunk, kv, bias)
+        return self._fused_ffn_half(layer, h, attn_rows, r, layer.encoder_layer_scalar, next_norm)
 
     def _fused_qkv(self, layer: Layer, h: torch.Tensor, x: torch.Tensor | None, regions: dict, positions):
         """The merged q/k/v GEMM of a fused layer on h [T, hidden] (its normed input x made here unless the
@@ -440,16 +440,16 @@ class DiffusionGemma(nn.Module):
         self,
         layer: Layer,
         h: torch.Tensor,
-        out: torch.Tensor,
+        attn_rows: torch.Tensor,
         regions: dict,
         scalar: torch.Tensor,
         next_norm: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A fused layer from its attention output as rows [T, H*d]: o_proj, then the FFN half
+        """A fused layer from its attention output attn_rows [T, H*d]: o_proj, then the FFN half
         (fused.moe_layer_ffn on `regions`) ending in `scalar` (the decoder's or the encoder's layer scalar)
         and, with `next_norm`, the next layer's normed input. Returns (h, that input or None)."""
         dt = h.dtype
-        attn = F.linear(out, layer.o_proj.to(dt))
+        attn = F.linear(attn_rows, layer.o_proj.to(dt))
         p = layer.ffn_params(dt)
         p["layer_scalar"] = scalar.to(dt)
         res = fused_ops.moe_layer_ffn(
@@ -510,5 +510,5 @@ class DiffusionGemma(nn.Module):
         q, k_raw, v, inv_freq = self._fused_qkv(layer, h, x, r, positions)
         q, kv_new = r["qkv_post"](q, k_raw, v, layer.q_norm, layer.k_norm, inv_freq, positions, eps, True)
         keys, vals = kv.read_with_kv(layer.idx, kv_new)  # views: cached span + this canvas, no gather
-        out = fast_ops.rows(fast_ops.attention_nomask(q, keys, vals))
-        return self._fused_ffn_half(layer, h, out, r, layer.layer_scalar, next_norm)
+        attn_rows = fast_ops.rows(fast_ops.attention_nomask(q, keys, vals))
+        return self._fused_ffn_half(layer, h, attn_rows, r, layer.layer_scalar, next_norm)
