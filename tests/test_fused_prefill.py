@@ -76,6 +76,36 @@ def test_fused_prefill_matches_unfused_and_compiles_once_for_all_lengths(tiny_a)
 
 
 @torch.no_grad()
+def test_fast_prefill_matches_reference_across_ring_wraps_and_rewinds(tiny_a):
+    # The fast prefill attention (sliding layers: blocks of queries over one [window | chunk] buffer, the
+    # window read from the ring; full layers: the cache's own view after the write) against the reference
+    # path (the cache read in position order, masks from positions, torch_ref attention), fp32: the K/V it
+    # leaves in every layer and the denoise after it. Chunks shorter and longer than the window (8) and the
+    # ring (12 slots), a window that sees 0, some, or window - 1 cached positions, and rewinds.
+    ref = load_model(tiny_a, "cpu", torch.float32)
+    fast_m = load_model(tiny_a, "cpu", torch.float32)
+    ref.fast, fast_m.fast, fast_m.fuse = False, True, False
+    kv_ref, kv_fast = ref.new_cache(256, ring_size=12), fast_m.new_cache(256, ring_size=12)
+    g = torch.Generator().manual_seed(4)
+    canvas = torch.randint(0, ref.cfg.vocab_size, (1, ref.cfg.canvas_length), generator=g)
+    for t, chunk in ((3, 4096), (20, 7), (9, 4096), (31, 4096), (2, 4096), (14, 5)):
+        ids = torch.randint(3, 1000, (1, t), generator=g)
+        ref.prefill(ids, kv_ref, chunk=chunk)
+        fast_m.prefill(ids, kv_fast, chunk=chunk)
+        assert kv_fast.length == kv_ref.length
+        for got, want in zip(_kv_state(kv_fast), _kv_state(kv_ref), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        fast_m.fast = False  # the same (reference) denoise on both caches
+        torch.testing.assert_close(
+            fast_m.denoise(canvas, kv_fast), ref.denoise(canvas, kv_ref), rtol=1e-4, atol=1e-4
+        )
+        fast_m.fast = True
+        if kv_ref.can_truncate(kv_ref.length - 3):
+            kv_ref.truncate(kv_ref.length - 3)
+            kv_fast.truncate(kv_fast.length - 3)
+
+
+@torch.no_grad()
 def test_fused_prefill_only_in_the_model_dtype(tiny_a):
     # an fp32 compute dtype on a bf16 model (short prompts) takes the unfused path: the regions are compiled
     # for the model dtype
