@@ -20,7 +20,7 @@ def test_attention_causal_scores_matches_reference(past, block):
     k = torch.randn(1, hkv, past + t, d, generator=g)
     v = torch.randn(1, hkv, past + t, d, generator=g)
     qpos, kpos = torch.arange(past, past + t), torch.arange(past + t)
-    want = fast.rows(ref.attention(q, k, v, kpos[None] <= qpos[:, None]))
+    want = ref.rows(ref.attention(q, k, v, kpos[None] <= qpos[:, None]))
     got = fast.attention_causal_scores(q, k, v, block=block)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32 all through: rounding only
     # the two-kernel path of attention_causal_past (CPU, or d <= 256), merged by log-sum-exp
@@ -132,7 +132,7 @@ def test_attention_window_matches_reference(past, block):
     bias = fast.window_bias(past, t, w, h // hkv, q.dtype, "cpu", block)
     assert bias.shape[0] == (1 if past == w - 1 else -(-t // block))
     got = fast.attention_window(q, kv[:, :, :past], kv[:, :, past:], bias)
-    torch.testing.assert_close(got, fast.rows(want), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, ref.rows(want), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("weighted", [False, True])

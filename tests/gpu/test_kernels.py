@@ -78,7 +78,7 @@ def test_attention_window_and_causal_past_match_reference(start):
             got = fast.attention_window(q, kv[:, :, :p], kv[:, :, p:], bias)
         else:
             got = fast.attention_causal_past(q, k, v)
-        want = fast.rows(ref.attention(q.float(), k.float(), v.float(), mask))
+        want = ref.rows(ref.attention(q.float(), k.float(), v.float(), mask))
         assert rel(got, want) < 1e-2, (hd, sliding)
     assert "triton_softmax" not in fast.triton_failed_kernels
 
@@ -222,7 +222,7 @@ def test_attention_causal_scores_matches_reference(past, monkeypatch):
     k = torch.randn(1, hkv, past + t, hd, device=DEV, dtype=torch.bfloat16) * hd**-0.25
     v = torch.randn(1, hkv, past + t, hd, device=DEV, dtype=torch.bfloat16)
     qpos, kpos = torch.arange(past, past + t, device=DEV), torch.arange(past + t, device=DEV)
-    want = fast.rows(ref.attention(q.float(), k.float(), v.float(), kpos[None] <= qpos[:, None]))
+    want = ref.rows(ref.attention(q.float(), k.float(), v.float(), kpos[None] <= qpos[:, None]))
     assert rel(fast.attention_causal_past(q, k, v), want) < 1e-2  # one block
     assert rel(fast.attention_causal_scores(q, k, v, block=96), want) < 1e-2  # 11 blocks, the last ragged
     # the block size from the score budget: room for ~300 query rows -> blocks of 256 (3 full, 1 ragged)

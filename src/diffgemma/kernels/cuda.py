@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from diffgemma.kernels.torch_ref import gelu_tanh
+from diffgemma.kernels.torch_ref import gelu_tanh, rows
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
@@ -229,11 +229,6 @@ def _sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
         s = s.masked_fill(~torch.ones(t, k.shape[2], dtype=torch.bool).tril(k.shape[2] - t), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     return (torch.softmax(s, dim=-1) @ v.float()).to(q.dtype), lse
-
-
-def rows(x: torch.Tensor) -> torch.Tensor:
-    """Attention output [1, H, T, d] as o_proj's input rows [T, H * d]."""
-    return x[0].transpose(0, 1).reshape(x.shape[2], -1)
 
 
 def attention_causal_past(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:

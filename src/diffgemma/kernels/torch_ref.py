@@ -61,6 +61,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     )
 
 
+def rows(x: torch.Tensor) -> torch.Tensor:
+    """Attention output [1, H, T, d] as o_proj's input rows [T, H * d]."""
+    return x[0].transpose(0, 1).reshape(x.shape[2], -1)
+
+
 def route(
     x: torch.Tensor,
     proj: torch.Tensor,

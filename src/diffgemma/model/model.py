@@ -368,7 +368,7 @@ class DiffusionGemma(nn.Module):
                     mask &= key_pos[None, :] > positions[:, None] - self.cfg.sliding_window
                 kv.write(layer.idx, start, torch.cat([k, v]))
                 out = ops.attention(q, keys, vals, mask)
-                return out[0].transpose(0, 1).reshape(t, -1)
+                return ops.rows(out)
 
             h = self._layer(layer, h, attend, layer.encoder_layer_scalar)
         kv.length = start + t
@@ -476,7 +476,6 @@ class DiffusionGemma(nn.Module):
         """One decoder layer on the canvas stream h [C, hidden] at `positions`, attending to the cache."""
         if self.is_fused:
             return self._decode_layer_fused(layer, h, kv, positions)[0]
-        c = h.shape[0]
         fast = self.is_fast
 
         def attend(x: torch.Tensor) -> torch.Tensor:
@@ -484,12 +483,12 @@ class DiffusionGemma(nn.Module):
             if fast:
                 keys, vals = kv.read_with(layer.idx, k, v)
                 out = fast_ops.attention_nomask(q, keys, vals)
-                return out[0].transpose(0, 1).reshape(c, -1)
+                return ops.rows(out)
             past_k, past_v, _ = kv.read(layer.idx)
             keys = torch.cat([past_k.to(k.dtype), k], dim=2)
             vals = torch.cat([past_v.to(v.dtype), v], dim=2)
             out = ops.attention(q, keys, vals, None)
-            return out[0].transpose(0, 1).reshape(c, -1)
+            return ops.rows(out)
 
         return self._layer(layer, h, attend, layer.layer_scalar)
 
@@ -510,5 +509,5 @@ class DiffusionGemma(nn.Module):
         q, k_raw, v, inv_freq = self._fused_qkv(layer, h, x, r, positions)
         q, kv_new = r["qkv_post"](q, k_raw, v, layer.q_norm, layer.k_norm, inv_freq, positions, eps, True)
         keys, vals = kv.read_with_kv(layer.idx, kv_new)  # views: cached span + this canvas, no gather
-        attn_rows = fast_ops.rows(fast_ops.attention_nomask(q, keys, vals))
+        attn_rows = ops.rows(fast_ops.attention_nomask(q, keys, vals))
         return self._fused_ffn_half(layer, h, attn_rows, r, layer.layer_scalar, next_norm)
