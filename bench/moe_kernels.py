@@ -139,11 +139,11 @@ def bench_crossover(gate_up, down, g) -> list[dict]:
 
 
 def sweep_tiles() -> list[tm.Tiles]:
-    """~50 shapes around the named configs: (block_m, m_slots) in 16x1, 32x1, 16x2, the N and K blocks,
+    """~70 shapes around the named configs: (block_m, m_slots) in 16x1, 32x1, 16x2, 32x2, the N and K blocks,
     warps 4/8 (8 only with 64+ columns), 3/4 stages (3 only for the larger tiles), plain or swapped MMA."""
     out = []
     for (bm, slots), bn, bk, warps, swap in itertools.product(
-        ((16, 1), (32, 1), (16, 2)), (32, 64, 128), (64, 128, 256), (4, 8), (False, True)
+        ((16, 1), (32, 1), (16, 2), (32, 2)), (32, 64, 128), (64, 128, 256), (4, 8), (False, True)
     ):
         if (bn == 128 and bk == 256) or (warps == 8 and bn == 32) or (warps == 8 and swap):
             continue
@@ -152,8 +152,8 @@ def sweep_tiles() -> list[tm.Tiles]:
     return out
 
 
-def bench_sweep(gate_up, down, x, g) -> list[dict]:
-    """Each kernel alone (uniform routing) over a grid of tile shapes."""
+def bench_sweep(gate_up, down, x, g, only: str | None = None) -> list[dict]:
+    """Each kernel alone (uniform routing) over a grid of tile shapes (`only`: one of them, m_slots 2)."""
     w, ids = routing("uniform", None, g)
     perm, bounds = tm.sort_pairs(ids, E)
     act = tm.gate_up_act(x, gate_up, perm, bounds, K, tm.Tiles())
@@ -163,6 +163,9 @@ def bench_sweep(gate_up, down, x, g) -> list[dict]:
     }
     rows = []
     tiles = sweep_tiles()
+    if only:
+        kernels = {only: kernels[only]}
+        tiles = [t for t in tiles if t.m_slots == 2]
     for kname, (nbytes, launch) in kernels.items():
         print(f"\n[sweep {kname}] {len(tiles)} tile shapes")
         ref_out = launch(tm.Tiles())
@@ -188,6 +191,7 @@ def main() -> None:
     p.add_argument("--configs", default=",".join(tm.CONFIGS), help="comma-separated names from CONFIGS")
     p.add_argument("--ids", default=None, help="torch.save'd routing ids [256, 8] to bench as well")
     p.add_argument("--sweep", action="store_true", help="also time each kernel over a grid of tiles")
+    p.add_argument("--sweep-only", choices=("gate_up", "down"), help="sweep this kernel alone, m_slots 2")
     args = p.parse_args()
 
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -211,7 +215,7 @@ def main() -> None:
     )
     result["crossover"] = bench_crossover(gate_up, down, g)
     if args.sweep:
-        result["sweep"] = bench_sweep(gate_up, down, x, g)
+        result["sweep"] = bench_sweep(gate_up, down, x, g, args.sweep_only)
     if os.environ.get("OUT"):
         path = Path(os.environ["OUT"]) / "moe_kernels.json"
         path.write_text(json.dumps(result, indent=1))

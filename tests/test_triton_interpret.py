@@ -1,6 +1,7 @@
 """The Triton kernels run by Triton's CPU interpreter at small shapes: the MoE kernels (kernels/triton_moe.py)
 against torch_ref in fp32 and the grouped-GEMM path in bf16, the row softmax (kernels/triton_softmax.py)
-against torch.softmax. Skipped without triton.
+against torch.softmax, the router's top-k and sort (kernels/triton_route.py) against its spec, the Q/K/V norms
+and RoPE (kernels/triton_qkv.py) against the eager region. Skipped without triton.
 
 The interpreter has to be on before triton wraps any kernel in the process, so the check runs in a
 subprocess with TRITON_INTERPRET=1: nothing leaks into this pytest process or its other tests."""
@@ -92,7 +93,89 @@ def _check_softmax() -> None:
         ts.softmax_rows(torch.zeros(2, 4, dtype=torch.float64), torch.float32)
 
 
-@pytest.mark.parametrize("check", ["_check_moe", "_check_softmax"])
+def check_route_sort(logits: torch.Tensor, pes: torch.Tensor, k: int) -> None:
+    """`triton_route.route_sort` against its spec (also run by tests/gpu): the picked experts are a top-k of
+    the softmax (ties at the k-th value resolved to the lowest ids, as torch.topk on CUDA does), the weights
+    `torch_ref.route_weights`' for those experts, and perm/slot/bounds the stable sort of the flat ids."""
+    from diffgemma.kernels import triton_route as tr
+
+    n, e = logits.shape
+    w, ids, bounds, perm, slot = tr.route_sort(logits, pes, k)
+    ids = ids.long()
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top = torch.topk(probs, k, dim=-1).values
+    assert bool((probs.gather(1, ids).sort(1, descending=True).values == top).all())  # a valid top-k
+    assert bool((ids.sort(1).values.diff(dim=1) > 0).all())  # k distinct experts a row
+    kth = top[:, -1:]
+    above = (probs > kth).sum(1, keepdim=True)
+    lowest_tied = (probs == kth).cumsum(1) <= k - above  # the tied columns a lowest-id tie-break keeps
+    want_set = (probs > kth) | ((probs == kth) & lowest_tied)
+    assert bool((torch.zeros_like(want_set).scatter(1, ids, True) == want_set).all())
+    picked = probs.gather(1, ids)
+    want_w = picked / picked.sum(1, keepdim=True) * pes[ids]
+    assert float(((w - want_w).abs() / want_w).max()) < 1e-5
+    sorted_ids, want_perm = torch.sort(ids.reshape(-1), stable=True)
+    assert bool((perm == want_perm).all()) and bool(
+        (slot[perm] == torch.arange(n * k, device=slot.device)).all()
+    )
+    experts = torch.arange(e + 1, device=ids.device)
+    assert bool((bounds.long() == torch.searchsorted(sorted_ids, experts)).all())
+
+
+def _check_route() -> None:
+    """Rows of ties (bf16 logits tie often), a row all tied, E not a power of two, N not a multiple of the
+    kernels' row block, more row blocks than the sort's block of them and more pairs than its pair block."""
+    g = torch.Generator().manual_seed(0)
+    for n, e, k in ((40, 6, 3), (70, 128, 8), (33, 12, 4), (600, 12, 4)):
+        logits = (torch.randn(n, e, generator=g) * 2).bfloat16()
+        logits[0] = 1.0
+        check_route_sort(logits, torch.rand(e, generator=g) + 0.5, k)
+
+
+def check_norm_rope(dtype: torch.dtype, device: str, t: int, tol: float) -> None:
+    """`triton_qkv.norm_rope` against the eager `fused.qkv_post` for both layer kinds (sliding: own V, default
+    RoPE; full: V = raw K, proportional RoPE), into a new tensor and into a strided view (the cache's canvas
+    slots). tol: max abs difference over the output's max abs (also run by tests/gpu)."""
+    from diffgemma.kernels import fused
+    from diffgemma.kernels import torch_ref as ref
+    from diffgemma.kernels import triton_qkv as tq
+
+    g = torch.Generator(device=device).manual_seed(1)
+    kinds = ((16, 4, 2, True, (1e4, "default", 1.0)), (32, 4, 1, False, (1e6, "proportional", 0.25)))
+    if device == "cuda":
+        kinds = ((256, 16, 8, True, (1e4, "default", 1.0)), (512, 16, 2, False, (1e6, "proportional", 0.25)))
+    for hd, nq, nkv, has_v, rope in kinds:
+        heads = nq + nkv * (2 if has_v else 1)
+        qkv = torch.randn(t, heads * hd, generator=g, device=device).to(dtype) * 3
+        qn, kn = (1 + 0.3 * torch.randn(hd, generator=g, device=device).to(dtype) for _ in range(2))
+        inv = ref.rope_inv_freq(hd, *rope).to(device)
+        pos = torch.arange(30000, 30000 + t, device=device)
+        q3, k3 = qkv[:, : nq * hd].view(t, nq, hd), qkv[:, nq * hd : (nq + nkv) * hd].view(t, nkv, hd)
+        v3 = qkv[:, (nq + nkv) * hd :].view(t, nkv, hd) if has_v else None
+        want = fused.qkv_post(q3, k3, v3, qn, kn, inv, pos, 1e-6, True)
+        cos, sin = ref.rope_cos_sin(inv, pos, dtype)
+        cache = torch.zeros(2, nkv, t + 9, hd, device=device, dtype=dtype)
+        for out in (None, cache[:, :, 4 : 4 + t]):
+            got = tq.norm_rope(qkv, nq, nkv, has_v, cos, sin, qn, kn, 1e-6, out)
+            assert out is None or got[1].data_ptr() == out.data_ptr()
+            for a, b in zip(got, want, strict=True):
+                assert (
+                    a.shape == b.shape
+                    and a.dtype == b.dtype
+                    and a.is_contiguous() == (a is got[0] or out is None)
+                )
+                err = float((a.float() - b.float()).abs().max() / b.float().abs().max())
+                assert err <= tol, (hd, err)
+        assert float(cache[:, :, :4].abs().max()) == 0 and float(cache[:, :, 4 + t :].abs().max()) == 0
+
+
+def _check_qkv() -> None:
+    # fp32: the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest), so the roundings are pinned on
+    # the GPU (tests/gpu), the indexing here
+    check_norm_rope(torch.float32, "cpu", 37, 1e-6)
+
+
+@pytest.mark.parametrize("check", ["_check_moe", "_check_softmax", "_check_route", "_check_qkv"])
 def test_triton_kernels_under_interpreter(check: str):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     code = f"from tests.test_triton_interpret import {check}; {check}()"

@@ -262,3 +262,31 @@ def test_fused_prefill_matches_unfused(tmp_path):
             assert rel(got, want) < (1e-2 if i == 0 else 0.25), i
     fused_m.fuse = False  # the denoise that follows on the same path for both: only the caches differ
     assert rel(fused_m.denoise(canvas, kv_fused), plain.denoise(canvas, kv_plain)) < 0.25
+
+
+# -- the router's top-k and sort, the Q/K/V norms and RoPE: one Triton kernel each -----------------------------
+
+
+@pytest.mark.parametrize("n", [256, 4096])
+def test_route_sort_matches_torch(n):
+    from tests.test_triton_interpret import check_route_sort
+
+    g = torch.Generator(device=DEV).manual_seed(n)
+    logits = (torch.randn(n, 128, generator=g, device=DEV) * 2).bfloat16()  # bf16 logits: ties are common
+    pes = torch.rand(128, generator=g, device=DEV) + 0.5
+    check_route_sort(logits, pes, 8)
+    # the same experts as torch.topk on CUDA, ties included
+    from diffgemma.kernels import triton_route as tr
+
+    ids = tr.route_sort(logits, pes, 8)[1].long()
+    want = torch.topk(torch.softmax(logits, -1, dtype=torch.float32), 8, dim=-1).indices
+    assert bool((ids.sort(1).values == want.sort(1).values).all())
+
+
+@pytest.mark.parametrize("t", [256, 4000])
+def test_norm_rope_matches_region(t):
+    from tests.test_triton_interpret import check_norm_rope
+
+    # bf16 on the device: the same roundings as the eager ops; the sums of squares add in another order, so
+    # a rare element may round one ulp apart (2 ulps of the largest allowed)
+    check_norm_rope(torch.bfloat16, DEV, t, 2**-7)

@@ -62,6 +62,21 @@ def triton_moe_for(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor):
     return _triton_kernels("triton_moe")
 
 
+def triton_route_for(logits: torch.Tensor, top_k: int):
+    """kernels.triton_route when its one-program kernel suits this call (CUDA, at most as many pairs as the
+    Triton MoE kernels take, no earlier failure), else None."""
+    few_pairs = logits.shape[0] * top_k <= _TRITON_MAX_PAIRS_PER_EXPERT * logits.shape[1]
+    return _triton_kernels("triton_route") if logits.is_cuda and few_pairs else None
+
+
+def triton_qkv_for(x: torch.Tensor, head_dim: int):
+    """kernels.triton_qkv when its kernel suits this call (CUDA, a power-of-two head_dim, no earlier failure),
+    else None."""
+    if not (x.is_cuda and head_dim >= 2 and head_dim & (head_dim - 1) == 0):
+        return None
+    return _triton_kernels("triton_qkv")
+
+
 def moe_experts(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:

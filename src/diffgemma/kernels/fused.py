@@ -79,20 +79,23 @@ def pre_ffn(
     w_pre_ff2: torch.Tensor,
     router_proj: torch.Tensor,
     router_scale: torch.Tensor,
-    per_expert_scale: torch.Tensor,
     eps: float,
-    top_k: int,
 ):
-    """Attention residual, routing, and the expert-sorted order of the MoE input.
-
-    Returns h (after the attention residual), x (the dense MLP's normed input), x2 [N, H] (the experts'
-    input), bounds (int32 [E + 1]: expert e owns sorted pairs bounds[e]:bounds[e+1]), perm (the stable sort
-    of the flat (row, j) pairs by expert), slot (its inverse: pair i's sorted position), weights [N, k] fp32."""
+    """Attention residual, the FFN's inputs and the router's logits: (h after the residual, x the dense
+    MLP's normed input, x2 [N, H] the experts' input, logits [N, E])."""
     h = h + ref.rms_norm(attn, w_post_attn, eps)
     x = ref.rms_norm(h, w_pre_ff, eps)
-    weights, ids = ref.route(h, router_proj, router_scale, per_expert_scale, top_k, eps)
+    logits = ref.router_logits(h, router_proj, router_scale, eps)
     x2 = ref.rms_norm(h, w_pre_ff2, eps)
-    n_exp = router_proj.shape[0]
+    return h, x, x2, logits
+
+
+def route(logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int):
+    """The routing weights [N, k] fp32 and the expert-sorted order of the (row, j) pairs: (weights, bounds
+    (int32 [E + 1]: expert e owns sorted pairs bounds[e]:bounds[e+1]), perm (the stable sort of the flat pairs
+    by expert), slot (its inverse: pair i's sorted position)). `triton_route.route_sort` is its one-kernel twin."""
+    weights, ids = ref.route_weights(logits, per_expert_scale, top_k)
+    n_exp = logits.shape[1]
     flat = ids.reshape(-1)
     # A stable counting sort by expert on the one-hot [N*k, E] (small): counts without a host sync, and each
     # pair's slot = its expert's start + its rank among that expert's pairs. Same permutation as
@@ -105,7 +108,7 @@ def pre_ffn(
     perm = torch.empty_like(flat)
     perm[slot] = torch.arange(flat.shape[0], device=flat.device)
     bounds = F.pad(offs, (1, 0))
-    return h, x, x2, bounds, perm, slot, weights
+    return weights, bounds, perm, slot
 
 
 def dense_mlp(
@@ -170,7 +173,7 @@ def moe_layer_ffn(
     gate_up_dense = p.get("mlp_gate_up")
     if gate_up_dense is None:
         gate_up_dense = torch.cat([p["mlp_gate"], p["mlp_up"]])
-    h, x, x2, bounds, perm, slot, weights = regions["pre_ffn"](
+    h, x, x2, logits = regions["pre_ffn"](
         h,
         attn,
         p["post_attention_layernorm"],
@@ -178,10 +181,9 @@ def moe_layer_ffn(
         p["pre_feedforward_layernorm_2"],
         p["router_proj"],
         p["router_scale"],
-        p["per_expert_scale"],
         eps,
-        top_k,
     )
+    weights, bounds, perm, slot = _route(logits, p["per_expert_scale"], top_k, regions)
     # The dense MLP does not depend on the routing: on CUDA it runs on a side stream, beside the experts.
     side = _side_stream(x)
     if side is not None:
@@ -220,6 +222,18 @@ def moe_layer_ffn(
         weighted,
     )
     return h if next_norm is None else (h, x_next)
+
+
+def _route(logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int, regions: dict):
+    """`route` as the one Triton kernel where `cuda.triton_route_for` allows, else the compiled region."""
+    tr = cuda.triton_route_for(logits, top_k)
+    if tr is not None:
+        try:
+            weights, _, bounds, perm, slot = tr.route_sort(logits, per_expert_scale, top_k)
+            return weights, bounds, perm, slot
+        except Exception as e:  # noqa: BLE001 - any failure: the torch region from then on, loudly
+            cuda.triton_failed("triton_route", e)
+    return regions["route"](logits, per_expert_scale, top_k)
 
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -314,6 +328,7 @@ TOKEN_ARGS: dict[str, tuple[str, ...]] = {
     "norm": ("x",),
     "qkv_post": ("q", "k_raw", "v", "positions"),
     "pre_ffn": ("h", "attn"),
+    "route": ("logits",),
     "dense_mlp": ("x",),
     "gelu_mul": ("gu",),
     "post_ffn": ("h", "dense", "y", "slot", "weights"),
@@ -323,7 +338,8 @@ TOKEN_ARGS: dict[str, tuple[str, ...]] = {
 def make_regions(enabled: bool = True, mode: str | None = None, dynamic: bool = False) -> dict:
     """The regions, compiled for fixed shapes (the denoise step) or, `dynamic`, for any token count (the
     prefill chunks, which have no logits: no softcap region)."""
-    fns = [("norm", norm), ("qkv_post", qkv_post), ("pre_ffn", pre_ffn), ("dense_mlp", dense_mlp)]
+    fns = [("norm", norm), ("qkv_post", qkv_post), ("pre_ffn", pre_ffn), ("route", route)]
+    fns += [("dense_mlp", dense_mlp)]
     fns += [("gelu_mul", gelu_mul)]
     fns += [("post_ffn", post_ffn)] + ([] if dynamic else [("softcap", softcap)])
     return {

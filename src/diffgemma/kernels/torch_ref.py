@@ -76,8 +76,20 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MoE router: rms_norm_no_scale -> * scale * hidden^-0.5 -> linear -> softmax(fp32) -> top-k ->
     renormalise -> * per_expert_scale. Returns (weights [N, k] fp32, expert ids [N, k])."""
+    return route_weights(router_logits(x, proj, scale, eps), per_expert_scale, top_k)
+
+
+def router_logits(x: torch.Tensor, proj: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """The router's logits [N, E] in x's dtype (`route`'s first half)."""
     h = rms_norm(x, None, eps) * scale * (x.shape[-1] ** -0.5)
-    probs = torch.softmax(F.linear(h, proj), dim=-1, dtype=torch.float32)
+    return F.linear(h, proj)
+
+
+def route_weights(
+    logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route`'s second half: (weights [N, k] fp32, expert ids [N, k]) from the router's logits."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, k=top_k, dim=-1)
     weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights * per_expert_scale[ids], ids

@@ -147,13 +147,24 @@ class KVCache:
         self.v[layer][:, :, b : b + c].copy_(v)
         return self.k[layer][:, :, a : b + c], self.v[layer][:, :, a : b + c]
 
+    def canvas_view(self, layer: int, c: int) -> torch.Tensor | None:
+        """The slots `read_with_kv` puts a canvas of c positions in ([2, h, c, d], a view), for a kernel to write
+        its K and V there directly; None when the canvas does not fit them."""
+        if c > self.canvas_slots:
+            return None
+        b = self._span(layer, self.length)[1]
+        return self.kv[layer][:, :, b : b + c]
+
     def read_with_kv(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`read_with` for the canvas's K and V stacked in one tensor [2, h, C, d]: one copy for both."""
+        """`read_with` for the canvas's K and V stacked in one tensor [2, h, C, d]: one copy for both, none when
+        kv is already `canvas_view`."""
         c = kv.shape[2]
         if c > self.canvas_slots or kv.dtype != self.dtype:
             return self.read_with(layer, kv[0:1], kv[1:2])
         a, b = self._span(layer, self.length)
-        self.kv[layer][:, :, b : b + c].copy_(kv)
+        dst = self.kv[layer][:, :, b : b + c]
+        if kv.data_ptr() != dst.data_ptr() or kv.stride() != dst.stride():
+            dst.copy_(kv)
         return self.k[layer][:, :, a : b + c], self.v[layer][:, :, a : b + c]
 
     def write(self, layer: int, start: int, kv: torch.Tensor) -> None:

@@ -347,10 +347,10 @@ class DiffusionGemma(nn.Module):
         fast = self.is_fast
         bias = self._window_bias(kv, t, dtype) if fast else None
         if self.is_fused and dtype == self.dtype:  # each layer's last region also norms the next's input
-            x = None
+            x, rope = None, {}
             for layer, nxt in zip(self.layers, [*self.layers[1:], None], strict=True):
                 norm = None if nxt is None else nxt.input_layernorm
-                h, x = self._encode_layer_fused(layer, h, kv, positions, x, norm, bias)
+                h, x = self._encode_layer_fused(layer, h, kv, positions, rope, x, norm, bias)
             kv.length = start + t
             return
         for layer in self.layers:
@@ -408,6 +408,7 @@ class DiffusionGemma(nn.Module):
         h: torch.Tensor,
         kv: KVCache,
         positions: torch.Tensor,
+        rope: dict,
         x: torch.Tensor | None,
         next_norm: torch.Tensor | None,
         bias: torch.Tensor | None,
@@ -415,26 +416,54 @@ class DiffusionGemma(nn.Module):
         """One encoder layer on a prefill chunk h [T, hidden]: the fast path's math as the prefill regions
         (kernels/fused.py, compiled for any T) around the library GEMMs and the same attention calls.
 
-        `x`: this layer's normed input when the previous layer made it; `next_norm`: the next layer's
-        input_layernorm, applied in this layer's last region. Returns (h, the next layer's normed input)."""
-        r, eps = self.prefill_regions, self.cfg.rms_norm_eps
-        q, k_raw, v, inv_freq = self._fused_qkv(layer, h, x, r, positions)
-        q, chunk = r["qkv_post"](q, k_raw, v, layer.q_norm, layer.k_norm, inv_freq, positions, eps, True)
+        `rope`: the chunk's cos/sin tables by layer type (`_fused_qkv`); `x`: this layer's normed input when the
+        previous layer made it; `next_norm`: the next layer's input_layernorm, applied in this layer's last
+        region. Returns (h, the next layer's normed input)."""
+        r = self.prefill_regions
+        q, chunk = self._fused_qkv(layer, h, x, r, positions, rope)
         attn_rows = self._prefill_attention_fast(layer, q, chunk, kv, bias)
         return self._fused_ffn_half(layer, h, attn_rows, r, layer.encoder_layer_scalar, next_norm)
 
-    def _fused_qkv(self, layer: Layer, h: torch.Tensor, x: torch.Tensor | None, regions: dict, positions):
+    def _fused_qkv(
+        self,
+        layer: Layer,
+        h: torch.Tensor,
+        x: torch.Tensor | None,
+        regions: dict,
+        positions: torch.Tensor,
+        rope: dict,
+        kv_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The merged q/k/v GEMM of a fused layer on h [T, hidden] (its normed input x made here unless the
-        previous layer made it): q [T, H, d], raw k and v [T, Hkv, d] (v None on full layers: V = raw k), and
-        the layer's RoPE frequencies."""
-        t, hd, nq, nkv = h.shape[0], layer.head_dim, layer.n_heads, layer.n_kv
+        previous layer made it), then the Q/K norms, RoPE and V's norm: q [1, H, T, d] and K/V stacked
+        [2, Hkv, T, d], written into `kv_out` when given. The Triton kernel (`triton_qkv`) where it runs, with
+        `rope` the step's cos/sin tables per layer type (filled here on first use); else the region."""
+        t, hd, nq, nkv, eps = h.shape[0], layer.head_dim, layer.n_heads, layer.n_kv, self.cfg.rms_norm_eps
         if x is None:
-            x = regions["norm"](h, layer.input_layernorm, self.cfg.rms_norm_eps)
+            x = regions["norm"](h, layer.input_layernorm, eps)
         qkv = F.linear(x, layer.merged(*layer.qkv_names).to(h.dtype))  # [T, (nq + nkv [+ nkv]) * hd]
+        inv_freq = self._inv_freq(layer, positions.device)
+        tq = fast_ops.triton_qkv_for(qkv, hd)
+        if tq is not None:
+            lt = self.cfg.layer_types[layer.idx]
+            if lt not in rope:
+                rope[lt] = ops.rope_cos_sin(inv_freq, positions, h.dtype)
+            try:
+                return tq.norm_rope(
+                    qkv, nq, nkv, layer.sliding, *rope[lt], layer.q_norm, layer.k_norm, eps, kv_out
+                )
+            except Exception as e:  # noqa: BLE001 - any failure: the compiled region from then on, loudly
+                fast_ops.triton_failed("triton_qkv", e)
         q = qkv[:, : nq * hd].view(t, nq, hd)
         k_raw = qkv[:, nq * hd : (nq + nkv) * hd].view(t, nkv, hd)
         v = qkv[:, (nq + nkv) * hd :].view(t, nkv, hd) if layer.sliding else None
-        return q, k_raw, v, self._inv_freq(layer, positions.device)
+        q, kv_new = regions["qkv_post"](
+            q, k_raw, v, layer.q_norm, layer.k_norm, inv_freq, positions, eps, True
+        )
+        if kv_out is not None:
+            kv_out.copy_(kv_new)
+            return q, kv_out
+        return q, kv_new
 
     def _fused_ffn_half(
         self,
@@ -461,10 +490,10 @@ class DiffusionGemma(nn.Module):
         c = h.shape[0]
         positions = torch.arange(kv.length, kv.length + c, device=self.device)
         if self.is_fused:  # each layer's last region also norms the next layer's input
-            x = None
+            x, rope = None, {}
             for layer, nxt in zip(self.layers, [*self.layers[1:], None], strict=True):
                 norm = None if nxt is None else nxt.input_layernorm
-                h, x = self._decode_layer_fused(layer, h, kv, positions, x, norm)
+                h, x = self._decode_layer_fused(layer, h, kv, positions, rope, x, norm)
             return h
         for layer in self.layers:
             h = self._decode_layer(layer, h, kv, positions)
@@ -475,7 +504,7 @@ class DiffusionGemma(nn.Module):
     ) -> torch.Tensor:
         """One decoder layer on the canvas stream h [C, hidden] at `positions`, attending to the cache."""
         if self.is_fused:
-            return self._decode_layer_fused(layer, h, kv, positions)[0]
+            return self._decode_layer_fused(layer, h, kv, positions, {})[0]
         fast = self.is_fast
 
         def attend(x: torch.Tensor) -> torch.Tensor:
@@ -498,16 +527,18 @@ class DiffusionGemma(nn.Module):
         h: torch.Tensor,
         kv: KVCache,
         positions: torch.Tensor,
+        rope: dict,
         x: torch.Tensor | None = None,
         next_norm: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """_decode_layer's math as compiled regions (kernels/fused.py) around the library GEMMs and SDPA.
 
-        `x`: this layer's normed input when the previous layer made it; `next_norm`: the next layer's
-        input_layernorm, applied in this layer's last region. Returns (h, the next layer's normed input)."""
-        r, eps = self.fused_regions, self.cfg.rms_norm_eps
-        q, k_raw, v, inv_freq = self._fused_qkv(layer, h, x, r, positions)
-        q, kv_new = r["qkv_post"](q, k_raw, v, layer.q_norm, layer.k_norm, inv_freq, positions, eps, True)
-        keys, vals = kv.read_with_kv(layer.idx, kv_new)  # views: cached span + this canvas, no gather
+        `rope`: the step's cos/sin tables by layer type (`_fused_qkv`); `x`: this layer's normed input when the
+        previous layer made it; `next_norm`: the next layer's input_layernorm, applied in this layer's last
+        region. Returns (h, the next layer's normed input)."""
+        r = self.fused_regions
+        # K/V go straight to the cache's canvas slots, and attention reads the cached span with them: no gather
+        q, kv_new = self._fused_qkv(layer, h, x, r, positions, rope, kv.canvas_view(layer.idx, h.shape[0]))
+        keys, vals = kv.read_with_kv(layer.idx, kv_new)
         attn_rows = ops.rows(fast_ops.attention_nomask(q, keys, vals))
         return self._fused_ffn_half(layer, h, attn_rows, r, layer.layer_scalar, next_norm)

@@ -1,0 +1,81 @@
+"""Microbenchmark of a denoise step's attention, one layer at the real shape (256 canvas queries, 16 heads):
+`cuda.attention_nomask` against SDPA's backends (GQA folded into the rows, or enable_gqa) and FlexAttention,
+for sliding layers (d=256, 8 KV heads, 1,023 cached keys + the canvas) and full layers (d=512, 2 KV heads, at
+several context lengths). Each timing is a CUDA graph of 10 calls, the median of 20 replays, per call; max|diff|
+is against attention_nomask. Prints a line per candidate; a candidate that has no kernel says so.
+
+    python bench/attention_denoise.py [--full-keys 1279,4351,8447,33024] [--no-flex]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from moe_kernels import time_graph  # noqa: E402
+
+from diffgemma.kernels import cuda as fast  # noqa: E402
+
+DEV, DT, HEADS, CANVAS = "cuda", torch.bfloat16, 16, 256
+BACKENDS = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
+
+
+def run(name: str, fn, want: torch.Tensor) -> None:
+    try:
+        diff = float((fn().float() - want.float()).abs().max())
+        us = time_graph(fn) * 1e3
+        print(f"  {name:34s} {us:8.1f} us  max|diff| {diff:.3g}", flush=True)
+    except Exception as e:  # noqa: BLE001 - a backend without a kernel for this shape
+        print(f"  {name:34s} no kernel: {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: SDPBackend, gqa: bool) -> torch.Tensor:
+    with sdpa_kernel([backend]):
+        if gqa:
+            return F.scaled_dot_product_attention(q, k, v, scale=1.0, enable_gqa=True)
+        hkv, d = k.shape[1], q.shape[-1]
+        qf = q.reshape(1, hkv, -1, d)
+        return F.scaled_dot_product_attention(qf, k, v, scale=1.0).reshape(q.shape)
+
+
+def bench_shape(hd: int, hkv: int, keys: int, flex) -> None:
+    print(f"d={hd} kv_heads={hkv} keys={keys}", flush=True)
+    q = torch.randn(1, HEADS, CANVAS, hd, device=DEV, dtype=DT) * hd**-0.25
+    k = torch.randn(1, hkv, keys, hd, device=DEV, dtype=DT) * hd**-0.25
+    v = torch.randn(1, hkv, keys, hd, device=DEV, dtype=DT)
+    want = fast.attention_nomask(q, k, v)
+    run("attention_nomask (in use)", lambda: fast.attention_nomask(q, k, v), want)
+    for backend in BACKENDS:
+        for gqa in (False, True):
+            label = f"sdpa {'enable_gqa' if gqa else 'folded'} {backend.name}"
+            run(label, lambda backend=backend, gqa=gqa: sdpa(q, k, v, backend, gqa), want)
+    if flex is not None:
+        run("flex_attention (enable_gqa)", lambda: flex(q, k, v, scale=1.0, enable_gqa=True), want)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--full-keys", default="1279,2303,4351,8447,33024")
+    p.add_argument("--no-flex", action="store_true")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    flex = None
+    if not args.no_flex:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex = torch.compile(flex_attention, dynamic=False)
+    bench_shape(256, 8, 1023 + CANVAS, flex)
+    for keys in (int(x) for x in args.full_keys.split(",")):
+        bench_shape(512, 2, keys, flex)
+
+
+if __name__ == "__main__":
+    main()

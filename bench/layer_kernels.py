@@ -1,0 +1,89 @@
+"""Microbenchmark of the small per-layer work that has its own Triton kernel: the router's top-k and expert
+sort (`triton_route.route_sort` against the compiled `fused.route` region) and the Q/K/V norms with RoPE
+(`triton_qkv.norm_rope` against the compiled `fused.qkv_post` region plus its copy into the cache), at a
+denoise step's 256 rows and a prefill chunk's 4096, real shapes, bf16. Each timing is a CUDA graph of 10 calls,
+the median of 20 replays, per call. Results go to $OUT/layer_kernels.json when OUT is set.
+
+    python bench/layer_kernels.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from moe_kernels import time_graph  # noqa: E402
+
+from diffgemma.kernels import fused  # noqa: E402
+from diffgemma.kernels import torch_ref as ref  # noqa: E402
+from diffgemma.kernels import triton_qkv as tq  # noqa: E402
+from diffgemma.kernels import triton_route as tr  # noqa: E402
+
+DEV = "cuda"
+
+
+def bench_route(regions: dict, n: int) -> dict:
+    logits = (torch.randn(n, 128, device=DEV) * 2).bfloat16()
+    pes = torch.rand(128, device=DEV) + 0.5
+    region = time_graph(lambda: regions["route"](logits, pes, 8)) * 1e3
+    kernel = time_graph(lambda: tr.route_sort(logits, pes, 8)) * 1e3
+    print(f"route n={n:5d}: region {region:7.1f} us, triton {kernel:7.1f} us", flush=True)
+    return {"op": "route", "rows": n, "region_us": region, "triton_us": kernel}
+
+
+def bench_qkv(regions: dict, hd: int, nkv: int, has_v: bool, rope: tuple, t: int) -> dict:
+    heads = 16 + nkv * (2 if has_v else 1)
+    qkv = torch.randn(t, heads * hd, device=DEV).bfloat16()
+    qn, kn = torch.ones(hd, device=DEV).bfloat16(), torch.ones(hd, device=DEV).bfloat16()
+    inv = ref.rope_inv_freq(hd, *rope).to(DEV)
+    pos = torch.arange(1000, 1000 + t, device=DEV)
+    dst = torch.zeros(2, nkv, t + 500, hd, device=DEV, dtype=torch.bfloat16)[:, :, 100 : 100 + t]
+    q3, k3 = qkv[:, : 16 * hd].view(t, 16, hd), qkv[:, 16 * hd : (16 + nkv) * hd].view(t, nkv, hd)
+    v3 = qkv[:, (16 + nkv) * hd :].view(t, nkv, hd) if has_v else None
+    cos, sin = ref.rope_cos_sin(inv, pos, torch.bfloat16)
+
+    def region():
+        dst.copy_(regions["qkv_post"](q3, k3, v3, qn, kn, inv, pos, 1e-6, True)[1])
+
+    def kernel(tables: bool):
+        c, s = ref.rope_cos_sin(inv, pos, torch.bfloat16) if tables else (cos, sin)  # once a layer type
+        tq.norm_rope(qkv, 16, nkv, has_v, c, s, qn, kn, 1e-6, dst)
+
+    r_us = time_graph(region) * 1e3
+    k_us = time_graph(lambda: kernel(True)) * 1e3
+    alone = time_graph(lambda: kernel(False)) * 1e3
+    print(
+        f"qkv_post d={hd} t={t:5d}: region + copy {r_us:7.1f} us, triton + tables {k_us:7.1f} us, "
+        f"triton alone {alone:7.1f} us",
+        flush=True,
+    )
+    return {
+        "op": "qkv_post",
+        "head_dim": hd,
+        "rows": t,
+        "region_us": r_us,
+        "triton_us": k_us,
+        "alone_us": alone,
+    }
+
+
+def main() -> None:
+    regions = fused.make_regions()
+    results = [bench_route(regions, n) for n in (256, 4096)]
+    for kind in ((256, 8, True, (1e4, "default", 1.0)), (512, 2, False, (1e6, "proportional", 0.25))):
+        results += [bench_qkv(regions, *kind, t) for t in (256, 4096)]
+    out = os.environ.get("OUT")
+    if out:
+        doc = {"device": torch.cuda.get_device_name(), "results": results}
+        Path(out, "layer_kernels.json").write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()

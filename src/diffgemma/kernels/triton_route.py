@@ -1,0 +1,188 @@
+"""The router's top-k and the expert sort, from the router logits [N, E] to what the MoE kernels take (the
+routing weights, the pairs sorted by expert, each expert's bounds), in two Triton kernels.
+
+On an H200 the same work as torch ops (`fused.route`: softmax, top-k, its sort, renormalise, and a counting
+sort by cumsum over a one-hot) took 25 us a denoise layer (N = 256) in 7 kernels, 132 us at N = 4096.
+
+Pass 1, a program per block of rows: softmax in fp32, the top k by repeated argmax (the lowest column among
+equal values, as torch.topk on CUDA picks them), renormalise, times per_expert_scale; weights and ids stored,
+and for the block its count per expert and each pair's rank among its earlier pairs of the same expert.
+Pass 2, one program: each expert's start (an exclusive cumsum of the counts: bounds), each block's first
+slot per expert, and a pair's slot = that + its rank. That is the order of torch.sort(ids.flatten(),
+stable=True).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_ROWS = 16
+BLOCK_PAIRS = 1024
+NUM_WARPS = 4
+
+
+@triton.jit
+def _topk_kernel(
+    logits_ptr,
+    scale_ptr,
+    weights_ptr,
+    ids_ptr,
+    rank_ptr,
+    counts_ptr,
+    N,
+    stride_ln,
+    E: tl.constexpr,
+    E_P2: tl.constexpr,
+    K: tl.constexpr,
+    K_P2: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+):
+    """Pass 1 for BLOCK_ROWS rows: softmax, top-k, weights; each pair's rank among this block's earlier pairs
+    of its expert, and the block's count per expert."""
+    block = tl.program_id(0)
+    rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = rows < N
+    cols = tl.arange(0, E_P2)
+    col_ok = cols < E
+    slots = tl.arange(0, K_P2)
+    x = tl.load(
+        logits_ptr + rows[:, None] * stride_ln + cols[None, :],
+        mask=row_ok[:, None] & col_ok[None, :],
+        other=-float("inf"),
+    ).to(tl.float32)
+    x = tl.where(row_ok[:, None], x, 0.0)  # a padding row: finite, never stored
+    e = tl.exp(x - tl.max(x, axis=1)[:, None])
+    p = e / tl.sum(e, axis=1)[:, None]
+    p = tl.where(col_ok[None, :], p, -1.0)  # padding columns are never picked (probabilities are >= 0)
+    w = tl.zeros((BLOCK_ROWS, K_P2), tl.float32)
+    ids = tl.zeros((BLOCK_ROWS, K_P2), tl.int32)
+    picked = tl.zeros((BLOCK_ROWS, E_P2), tl.int32)
+    for j in tl.static_range(K):
+        best = tl.max(p, axis=1)
+        pick = tl.min(tl.where(p == best[:, None], cols[None, :], E_P2), axis=1)
+        hit = (cols[None, :] == pick[:, None]) & row_ok[:, None]
+        w = tl.where(slots[None, :] == j, best[:, None], w)
+        ids = tl.where(slots[None, :] == j, pick[:, None], ids)
+        picked += hit.to(tl.int32)
+        p = tl.where(hit, -1.0, p)
+    ok = row_ok[:, None] & (slots[None, :] < K)
+    w = w / tl.sum(w, axis=1)[:, None] * tl.load(scale_ptr + ids, mask=ok, other=0.0).to(tl.float32)
+    tl.store(weights_ptr + rows[:, None] * K + slots[None, :], w, mask=ok)
+    tl.store(ids_ptr + rows[:, None] * K + slots[None, :], ids, mask=ok)
+    # A row picks an expert at most once, so a pair's rank is the number of earlier rows of the block that
+    # picked its expert: the exclusive cumsum of `picked` down the rows, read at the pair's expert.
+    earlier = tl.cumsum(picked, axis=0) - picked
+    rank = tl.zeros((BLOCK_ROWS, K_P2), tl.int32)
+    for j in tl.static_range(K):
+        ex = tl.sum(tl.where(slots[None, :] == j, ids, 0), axis=1)
+        r = tl.sum(tl.where(cols[None, :] == ex[:, None], earlier, 0), axis=1)
+        rank = tl.where(slots[None, :] == j, r[:, None], rank)
+    tl.store(rank_ptr + rows[:, None] * K + slots[None, :], rank, mask=ok)
+    tl.store(counts_ptr + block * E_P2 + cols, tl.sum(picked, axis=0))
+
+
+@triton.jit
+def _sort_kernel(
+    ids_ptr,
+    rank_ptr,
+    counts_ptr,
+    offsets_ptr,
+    bounds_ptr,
+    perm_ptr,
+    slot_ptr,
+    n_blocks,
+    n_pairs,
+    E: tl.constexpr,
+    E_P2: tl.constexpr,
+    PAIRS_PER_BLOCK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_PAIRS: tl.constexpr,
+):
+    """Pass 2, one program: each expert's start (bounds), each row block's first slot per expert, and every
+    pair's slot = that + its rank; perm the inverse."""
+    cols = tl.arange(0, E_P2)
+    bs = tl.arange(0, BLOCK_B)
+    # while, not range(0, n, ..): Triton's interpreter cannot bound a range by a runtime argument
+    total = tl.zeros((E_P2,), tl.int32)
+    b0 = 0
+    while b0 < n_blocks:
+        tile = counts_ptr + (b0 + bs)[:, None] * E_P2 + cols[None, :]
+        total += tl.sum(tl.load(tile, mask=(b0 + bs < n_blocks)[:, None], other=0), axis=0)
+        b0 += BLOCK_B
+    nxt = tl.cumsum(total, axis=0) - total  # each expert's start
+    tl.store(bounds_ptr + cols, nxt, mask=cols < E)
+    tl.store(bounds_ptr + E, tl.sum(total, axis=0))
+    b0 = 0
+    while b0 < n_blocks:
+        b_ok = (b0 + bs < n_blocks)[:, None]
+        c = tl.load(counts_ptr + (b0 + bs)[:, None] * E_P2 + cols[None, :], mask=b_ok, other=0)
+        first = nxt[None, :] + tl.cumsum(c, axis=0) - c
+        tl.store(offsets_ptr + (b0 + bs)[:, None] * E_P2 + cols[None, :], first, mask=b_ok)
+        nxt += tl.sum(c, axis=0)
+        b0 += BLOCK_B
+    tl.debug_barrier()  # the offsets, written by every thread of this program, are read back below
+    ps = tl.arange(0, BLOCK_PAIRS)
+    p0 = 0
+    while p0 < n_pairs:
+        pairs = p0 + ps
+        ok = pairs < n_pairs
+        ex = tl.load(ids_ptr + pairs, mask=ok, other=0)
+        first = tl.load(offsets_ptr + (pairs // PAIRS_PER_BLOCK) * E_P2 + ex, mask=ok, other=0)
+        slot = first + tl.load(rank_ptr + pairs, mask=ok, other=0)
+        tl.store(slot_ptr + pairs, slot, mask=ok)
+        tl.store(perm_ptr + slot, pairs, mask=ok)
+        p0 += BLOCK_PAIRS
+
+
+def route_sort(
+    logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From router logits [N, E]: (weights [N, k] fp32, ids [N, k] int32, bounds int32 [E + 1], perm [N*k],
+    slot [N*k]), as `torch_ref.route_weights` and `fused.route` give them."""
+    n, n_exp = logits.shape
+    if logits.stride(1) != 1:
+        raise ValueError("route_sort: the logits' rows must be contiguous")
+    dev = logits.device
+    e_p2 = triton.next_power_of_2(n_exp)
+    n_blocks = triton.cdiv(n, BLOCK_ROWS)
+    weights = torch.empty(n, top_k, device=dev, dtype=torch.float32)
+    ids = torch.empty(n, top_k, device=dev, dtype=torch.int32)
+    rank = torch.empty(n, top_k, device=dev, dtype=torch.int32)
+    counts = torch.empty(n_blocks, e_p2, device=dev, dtype=torch.int32)
+    offsets = torch.empty(n_blocks, e_p2, device=dev, dtype=torch.int32)
+    bounds = torch.empty(n_exp + 1, device=dev, dtype=torch.int32)
+    perm = torch.empty(n * top_k, device=dev, dtype=torch.int64)
+    slot = torch.empty(n * top_k, device=dev, dtype=torch.int64)
+    consts = dict(E=n_exp, E_P2=e_p2, num_warps=NUM_WARPS)
+    _topk_kernel[(n_blocks,)](
+        logits,
+        per_expert_scale,
+        weights,
+        ids,
+        rank,
+        counts,
+        n,
+        logits.stride(0),
+        K=top_k,
+        K_P2=triton.next_power_of_2(top_k),
+        BLOCK_ROWS=BLOCK_ROWS,
+        **consts,
+    )
+    _sort_kernel[(1,)](
+        ids,
+        rank,
+        counts,
+        offsets,
+        bounds,
+        perm,
+        slot,
+        n_blocks,
+        n * top_k,
+        PAIRS_PER_BLOCK=BLOCK_ROWS * top_k,
+        BLOCK_B=32,
+        BLOCK_PAIRS=BLOCK_PAIRS,
+        **consts,
+    )
+    return weights, ids, bounds, perm, slot
