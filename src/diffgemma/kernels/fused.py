@@ -225,8 +225,8 @@ def moe_layer_ffn(
 
 
 def _route(logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int, regions: dict):
-    """`route` as the one Triton kernel where `cuda.triton_route_for` allows, else the compiled region."""
-    tr = cuda.triton_route_for(logits, top_k)
+    """`route` as the Triton kernels where `cuda.triton_route_for` allows, else the compiled region."""
+    tr = cuda.triton_route_for(logits)
     if tr is not None:
         try:
             weights, _, bounds, perm, slot = tr.route_sort(logits, per_expert_scale, top_k)
