@@ -132,10 +132,11 @@ def _check_route() -> None:
         check_route_sort(logits, torch.rand(e, generator=g) + 0.5, k)
 
 
-def check_norm_rope(dtype: torch.dtype, device: str, t: int, tol: float) -> None:
+def check_norm_rope(dtype: torch.dtype, device: str, t: int, tol: float, min_exact: float = 0.0) -> None:
     """`triton_qkv.norm_rope` against the eager `fused.qkv_post` for both layer kinds (sliding: own V, default
     RoPE; full: V = raw K, proportional RoPE), into a new tensor and into a strided view (the cache's canvas
-    slots). tol: max abs difference over the output's max abs (also run by tests/gpu)."""
+    slots). tol: max abs difference over the output's max abs; min_exact: the share of elements that must
+    equal the eager ones bit for bit (also run by tests/gpu)."""
     from diffgemma.kernels import fused
     from diffgemma.kernels import torch_ref as ref
     from diffgemma.kernels import triton_qkv as tq
@@ -166,6 +167,8 @@ def check_norm_rope(dtype: torch.dtype, device: str, t: int, tol: float) -> None
                 )
                 err = float((a.float() - b.float()).abs().max() / b.float().abs().max())
                 assert err <= tol, (hd, err)
+                exact = float((a == b).float().mean())
+                assert exact >= min_exact, (hd, exact)
         assert float(cache[:, :, :4].abs().max()) == 0 and float(cache[:, :, 4 + t :].abs().max()) == 0
 
 

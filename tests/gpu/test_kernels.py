@@ -288,5 +288,6 @@ def test_norm_rope_matches_region(t):
     from tests.test_triton_interpret import check_norm_rope
 
     # bf16 on the device: the same roundings as the eager ops; the sums of squares add in another order, so
-    # a rare element may round one ulp apart (2 ulps of the largest allowed)
-    check_norm_rope(torch.bfloat16, DEV, t, 2**-7)
+    # a rare element may round one ulp apart (2 ulps of the largest allowed). A rounding step lost (as a fused
+    # multiply-add of x * cos with the add did) leaves ~24% of the elements unequal.
+    check_norm_rope(torch.bfloat16, DEV, t, 2**-7, min_exact=0.999)
