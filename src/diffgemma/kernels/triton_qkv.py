@@ -19,6 +19,10 @@ import triton.language as tl
 
 BLOCK_T = 16
 NUM_WARPS = 4
+# No fused multiply-adds: with them (Triton's default) the compiler turned a bf16-rounded product plus the next
+# one into `fma.rn.bf16`, dropping the product's rounding; on an H200 24% of Q's elements came out one rounding
+# off the eager ops. tests/test_triton_ptx.py checks the PTX for sm_90; tests/gpu the bits.
+LAUNCH_OPTIONS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
 
 
 @triton.jit
@@ -134,10 +138,6 @@ def norm_rope(
         HAS_V=has_v,
         D=d,
         BLOCK_T=BLOCK_T,
-        num_warps=NUM_WARPS,
-        # No fused multiply-add. Compiled with it, 24% of Q's elements came out one rounding off the eager ops on
-        # an H200 (bit-exact under the interpreter, which fuses nothing): a product rounded to bf16 (x * cos) was
-        # fused with the add after it. Not yet run on a GPU without it: tests/gpu's min_exact check says.
-        enable_fp_fusion=False,
+        **LAUNCH_OPTIONS,
     )
     return q[None], kv
