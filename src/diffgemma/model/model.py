@@ -538,7 +538,8 @@ class DiffusionGemma(nn.Module):
         region. Returns (h, the next layer's normed input)."""
         r = self.fused_regions
         # K/V go straight to the cache's canvas slots, and attention reads the cached span with them: no gather
-        q, kv_new = self._fused_qkv(layer, h, x, r, positions, rope, kv.canvas_view(layer.idx, h.shape[0]))
+        slots = kv.canvas_view(layer.idx, h.shape[0]) if kv.dtype == h.dtype else None
+        q, kv_new = self._fused_qkv(layer, h, x, r, positions, rope, slots)
         keys, vals = kv.read_with_kv(layer.idx, kv_new)
         attn_rows = ops.rows(fast_ops.attention_nomask(q, keys, vals))
         return self._fused_ffn_half(layer, h, attn_rows, r, layer.layer_scalar, next_norm)
