@@ -2,10 +2,11 @@
 V rms_norm'd without scale (on full layers V is the raw K), each written head-major ([heads, T, d]) where
 attention and the cache want it.
 
-On an H200 the compiled region doing this (`fused.qkv_post`) took ~30 us a denoise layer in three kernels for
-~8 MB of traffic: its transpose to head-major made the stores uncoalesced. Here a program owns BLOCK_T tokens
-of one head: it reads their [BLOCK_T, d] slice of the GEMM output and writes it to the head's contiguous rows.
-K and V can go straight into the cache's canvas slots (any strides with unit last stride).
+On an H200 the compiled region doing this (`fused.qkv_post`, three kernels) and the copy of the canvas's K/V into
+the cache took 29 us a denoise layer for ~8 MB of traffic; this kernel takes 4 us, 15 with the cos/sin tables
+(bench/layer_kernels.py). A program owns BLOCK_T tokens of one head: it reads their [BLOCK_T, d] slice of the
+GEMM output and writes it to the head's rows. K and V can go straight into the cache's canvas slots (any
+strides with unit last stride).
 
 The math rounds where `torch_ref` does in the activation dtype: the norm's output, x * cos, rotate * sin, and
 their sum. cos and sin come in as `torch_ref.rope_cos_sin` tables [T, d], made once per layer type.
