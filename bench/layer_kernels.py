@@ -1,6 +1,7 @@
 """Microbenchmark of the small per-layer work that has its own Triton kernel: the router's top-k and expert
-sort (`triton_route.route_sort` against the compiled `fused.route` region) and the Q/K/V norms with RoPE
-(`triton_qkv.norm_rope` against the compiled `fused.qkv_post` region plus its copy into the cache), at a
+sort (`triton_route.route_sort` against the compiled `fused.route` region), the Q/K/V norms with RoPE
+(`triton_qkv.norm_rope` against the compiled `fused.qkv_post` region plus its copy into the cache) and the
+combine (`triton_combine.post_ffn` against the compiled `fused.post_ffn`), at a
 denoise step's 256 rows and a prefill chunk's 4096, real shapes, bf16. Each timing is a CUDA graph of 10 calls,
 the median of 20 replays, per call. Results go to $OUT/layer_kernels.json when OUT is set.
 
@@ -23,6 +24,7 @@ from moe_kernels import time_graph  # noqa: E402
 
 from diffgemma.kernels import fused  # noqa: E402
 from diffgemma.kernels import torch_ref as ref  # noqa: E402
+from diffgemma.kernels import triton_combine as tc  # noqa: E402
 from diffgemma.kernels import triton_qkv as tq  # noqa: E402
 from diffgemma.kernels import triton_route as tr  # noqa: E402
 
@@ -74,11 +76,41 @@ def bench_qkv(regions: dict, hd: int, nkv: int, has_v: bool, rope: tuple, t: int
     }
 
 
+def bench_combine(regions: dict, n: int, weighted: bool) -> dict:
+    k, hid, dt = 8, 2816, torch.bfloat16
+    h, dense = torch.randn(n, hid, device=DEV).to(dt), torch.randn(n, hid, device=DEV).to(dt)
+    w = torch.rand(n, k, device=DEV)
+    slot = torch.randperm(n * k, device=DEV)
+    y = torch.randn(n * k, hid, device=DEV)
+    y = y if weighted else y.to(dt)
+    norms = [torch.ones(hid, device=DEV, dtype=dt) for _ in range(3)]
+    args = (
+        h,
+        dense,
+        y,
+        slot,
+        w,
+        norms[0],
+        norms[1],
+        torch.ones(1, device=DEV, dtype=dt),
+        norms[2],
+        1e-6,
+        weighted,
+    )
+    region = time_graph(lambda: regions["post_ffn"](*args)) * 1e3
+    kernel = time_graph(lambda: tc.post_ffn(*args)) * 1e3
+    print(
+        f"post_ffn n={n:5d} weighted={weighted}: region {region:7.1f} us, triton {kernel:7.1f} us", flush=True
+    )
+    return {"op": "post_ffn", "rows": n, "weighted": weighted, "region_us": region, "triton_us": kernel}
+
+
 def main() -> None:
     regions = fused.make_regions()
     results = [bench_route(regions, n) for n in (256, 4096)]
     for kind in ((256, 8, True, (1e4, "default", 1.0)), (512, 2, False, (1e6, "proportional", 0.25))):
         results += [bench_qkv(regions, *kind, t) for t in (256, 4096)]
+    results += [bench_combine(regions, 256, True), bench_combine(regions, 4096, False)]
     out = os.environ.get("OUT")
     if out:
         doc = {"device": torch.cuda.get_device_name(), "results": results}

@@ -178,7 +178,46 @@ def _check_qkv() -> None:
     check_norm_rope(torch.float32, "cpu", 37, 1e-6)
 
 
-@pytest.mark.parametrize("check", ["_check_moe", "_check_softmax", "_check_route", "_check_qkv"])
+def _check_combine() -> None:
+    """`triton_combine.post_ffn` against the eager `fused.post_ffn`, both kinds of expert output (the Triton
+    kernels' weighted fp32 slots, the grouped GEMMs' sorted rows), with and without the next layer's norm; H not
+    a power of two. fp16: the interpreter rounds it as the GPU does, so the roundings are compared too."""
+    from diffgemma.kernels import fused
+    from diffgemma.kernels import triton_combine as tc
+
+    g = torch.Generator().manual_seed(5)
+    n, k, hid = 16, 3, 700
+    for dt, tol, min_exact in ((torch.float32, 1e-5, 0.0), (torch.float16, 2e-3, 0.995)):
+        h, dense = (torch.randn(n, hid, generator=g) * 2).to(dt), torch.randn(n, hid, generator=g).to(dt)
+        w = torch.rand(n, k, generator=g)
+        perm = torch.randperm(n * k, generator=g)
+        slot = torch.empty_like(perm)
+        slot[perm] = torch.arange(n * k)
+        norms = [(1 + 0.3 * torch.randn(hid, generator=g)).to(dt) for _ in range(3)]
+        scalar = torch.tensor([0.7]).to(dt)
+        for weighted in (True, False):
+            y = (
+                torch.randn(n * k, hid, generator=g)
+                if weighted
+                else torch.randn(n * k, hid, generator=g).to(dt)
+            )
+            for w_next in (norms[2], None):
+                args = (h, dense, y, slot, w, norms[0], norms[1], scalar, w_next, 1e-6, weighted)
+                want, got = fused.post_ffn(*args), tc.post_ffn(*args)
+                assert (got[1] is None) == (w_next is None)
+                for a, b in zip(got, want, strict=True):
+                    if b is None:
+                        continue
+                    assert a.dtype == b.dtype and a.shape == b.shape
+                    err = float((a.float() - b.float()).abs().max() / b.float().abs().max())
+                    assert err <= tol, (dt, weighted, err)
+                    exact = float((a == b).float().mean())  # a rounding skipped leaves ~20% unequal
+                    assert exact >= min_exact, (dt, weighted, exact)
+
+
+@pytest.mark.parametrize(
+    "check", ["_check_moe", "_check_softmax", "_check_route", "_check_qkv", "_check_combine"]
+)
 def test_triton_kernels_under_interpreter(check: str):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     code = f"from tests.test_triton_interpret import {check}; {check}()"

@@ -1,7 +1,7 @@
-"""The Q/K/V norm + RoPE kernel compiled for an H100/H200 (sm_90) on this machine, no GPU needed: its PTX must
-round each bf16 product before the add, as the eager ops do. With fused multiply-adds on (Triton's default) the
-compiler turned `(x * cos).to(bf16) + (rotate(x) * sin).to(bf16)` into `fma.rn.bf16`, which left 24% of Q's
-elements one rounding off on an H200 (bench/results/README.md, tenth session)."""
+"""Triton kernels whose roundings must match the eager ops, compiled for an H100/H200 (sm_90) on this machine
+(no GPU needed): their PTX must have no fused multiply-add. With them on (Triton's default) the compiler turned
+`(x * cos).to(bf16) + (rotate(x) * sin).to(bf16)` in the Q/K/V norm + RoPE kernel into `fma.rn.bf16`, which left
+24% of Q's elements one rounding off on an H200 (bench/results/README.md, tenth session)."""
 
 from __future__ import annotations
 
@@ -12,32 +12,55 @@ import pytest
 triton = pytest.importorskip("triton")
 
 
-def _ptx(**options) -> str:
+def _ptx(fn, signature: dict, constexprs: dict, options: dict) -> str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from diffgemma.kernels import triton_qkv as tq
-
-    ptrs = ("qkv_ptr", "cos_ptr", "sin_ptr", "q_norm_ptr", "k_norm_ptr", "q_ptr", "kv_ptr")
-    ints = ("T", "stride_t", "stride_ct", "stride_qh", "stride_qt", "stride_kv2", "stride_kvh", "stride_kvt")
-    consts = {"NQ": 16, "NKV": 8, "HAS_V": True, "D": 256, "BLOCK_T": tq.BLOCK_T}
-    sig = {**dict.fromkeys(ptrs, "*bf16"), **dict.fromkeys(ints, "i32"), "eps": "fp32"}
-    sig.update(dict.fromkeys(consts, "constexpr"))
-    src = ASTSource(fn=tq._norm_rope_kernel, signature=sig, constexprs=consts)
+    src = ASTSource(
+        fn=fn, signature={**signature, **dict.fromkeys(constexprs, "constexpr")}, constexprs=constexprs
+    )
     try:
-        kernel = triton.compile(
-            src, target=GPUTarget("cuda", 90, 32), options={"num_warps": tq.NUM_WARPS, **options}
-        )
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     except (ImportError, KeyError, RuntimeError) as e:  # a triton build without its NVIDIA backend or ptxas
         pytest.skip(f"cannot compile for sm_90 here: {type(e).__name__}: {e}")
     return kernel.asm["ptx"]
 
 
+def _norm_rope_ptx(options: dict) -> str:
+    from diffgemma.kernels import triton_qkv as tq
+
+    ptrs = ("qkv_ptr", "cos_ptr", "sin_ptr", "q_norm_ptr", "k_norm_ptr", "q_ptr", "kv_ptr")
+    sig = {**dict.fromkeys(ptrs, "*bf16"), "T": "i32", "eps": "fp32"}
+    sig.update(dict.fromkeys(("stride_t", "stride_ct", "stride_qh", "stride_qt"), "i32"))
+    sig.update(dict.fromkeys(("stride_kv2", "stride_kvh", "stride_kvt"), "i32"))
+    consts = {"NQ": 16, "NKV": 8, "HAS_V": True, "D": 256, "BLOCK_T": tq.BLOCK_T}
+    return _ptx(tq._norm_rope_kernel, sig, consts, options)
+
+
+def _combine_ptx(options: dict) -> str:
+    from diffgemma.kernels import triton_combine as tc
+
+    sig = dict.fromkeys(("h_ptr", "dense_ptr", "y_ptr"), "*bf16")
+    sig.update(slot_ptr="*i64", weights_ptr="*fp32")
+    sig.update(dict.fromkeys(("w2_ptr", "w1_ptr", "scalar_ptr", "wn_ptr", "h_out_ptr", "x_out_ptr"), "*bf16"))
+    sig.update(eps="fp32")
+    consts = {"K": 8, "H": 2816, "BLOCK_H": 4096, "WEIGHTED": False, "HAS_NEXT": True}
+    return _ptx(tc._post_ffn_kernel, sig, consts, options)
+
+
 def test_norm_rope_rounds_each_product_before_the_add():
     from diffgemma.kernels import triton_qkv as tq
 
-    fused = _ptx(enable_fp_fusion=True)
+    fused = _norm_rope_ptx({**tq.LAUNCH_OPTIONS, "enable_fp_fusion": True})
     assert re.search(r"fma\.rn\.bf16\b", fused), "the check no longer sees the contraction it guards against"
-    ptx = _ptx(**tq.LAUNCH_OPTIONS)
+    ptx = _norm_rope_ptx(tq.LAUNCH_OPTIONS)
     assert not re.search(r"\bfma\.", ptx)
     assert re.search(r"mul\.rn\.bf16\b", ptx) and re.search(r"add\.rn\.bf16\b", ptx)
+
+
+def test_combine_has_no_fused_multiply_add():
+    # the grouped path's terms (expert output * routing weight) are summed after rounding to fp32 products
+    from diffgemma.kernels import triton_combine as tc
+
+    assert re.search(r"\bfma\.", _combine_ptx({**tc.LAUNCH_OPTIONS, "enable_fp_fusion": True}))
+    assert not re.search(r"\bfma\.", _combine_ptx(tc.LAUNCH_OPTIONS))

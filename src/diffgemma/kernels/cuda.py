@@ -68,6 +68,11 @@ def triton_route_for(logits: torch.Tensor):
     return _triton_kernels("triton_route") if logits.is_cuda else None
 
 
+def triton_combine_for(h: torch.Tensor):
+    """kernels.triton_combine on CUDA (no earlier failure), else None."""
+    return _triton_kernels("triton_combine") if h.is_cuda else None
+
+
 def triton_qkv_for(x: torch.Tensor, head_dim: int):
     """kernels.triton_qkv when its kernel suits this call (CUDA, a power-of-two head_dim, no earlier failure),
     else None."""

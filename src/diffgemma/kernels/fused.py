@@ -208,7 +208,7 @@ def moe_layer_ffn(
         y = _grouped_mm(regions["gelu_mul"](gu), down.transpose(1, 2), offs=offs)
     if side is not None:
         torch.cuda.current_stream().wait_stream(side)
-    h, x_next = regions["post_ffn"](
+    args = (
         h,
         dense,
         y,
@@ -221,7 +221,19 @@ def moe_layer_ffn(
         eps,
         weighted,
     )
+    h, x_next = _post_ffn(args, regions)
     return h if next_norm is None else (h, x_next)
+
+
+def _post_ffn(args: tuple, regions: dict):
+    """`post_ffn` as one Triton kernel where `cuda.triton_combine_for` allows, else the compiled region."""
+    tc = cuda.triton_combine_for(args[0])
+    if tc is not None:
+        try:
+            return tc.post_ffn(*args)
+        except Exception as e:  # noqa: BLE001 - any failure: the compiled region from then on, loudly
+            cuda.triton_failed("triton_combine", e)
+    return regions["post_ffn"](*args)
 
 
 def _route(logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int, regions: dict):
