@@ -127,17 +127,25 @@ def attention_nomask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     """Unmasked attention (the denoise phase), scale 1. q [1, H, T, d], k/v [1, Hkv, S, d].
 
     GQA is folded into the query length ([1, Hkv, g*T, d]) so that each KV head is read once and no mask is
-    needed. d <= 256 (sliding layers) runs SDPA's flash kernel. d = 512 (full layers) has no flash kernel and
-    PyTorch's memory-efficient one ran at ~90 TFLOP/s on an H200 (3 ms per layer at 32k); there the scores are
-    materialized instead: two cuBLAS GEMMs at several hundred TFLOP/s around an fp32 softmax. The scores come
-    out of the GEMM in fp32 (bf16 products, fp32 accumulation, as in the fused kernels) and P is rounded to the
-    value dtype before P @ V, as flash kernels do. Memory: Hkv * g*T * S * 6 bytes (3 GiB at 128k)."""
+    needed. d <= 256 (sliding layers) runs the split-KV Triton kernel (kernels/triton_attn.py: 21 against
+    SDPA's 35 us a layer on an H200, whose cuDNN kernel fills only 64 of the 132 SMs), else SDPA. d = 512
+    (full layers) has no flash kernel and PyTorch's memory-efficient one ran at ~90 TFLOP/s on an H200 (3 ms
+    per layer at 32k); there the scores are materialized instead: two cuBLAS GEMMs at several hundred TFLOP/s
+    around an fp32 softmax. The scores come out of the GEMM in fp32 (bf16 products, fp32 accumulation, as in
+    the fused kernels) and P is rounded to the value dtype before P @ V, as flash kernels do. Memory:
+    Hkv * g*T * S * 6 bytes (3 GiB at 128k)."""
     _, h, t, d = q.shape
     hkv = k.shape[1]
     qf = q.reshape(1, hkv, (h // hkv) * t, d)
     if d > 256 and q.is_cuda:
         scores = torch.bmm(qf[0], k[0].transpose(1, 2), out_dtype=torch.float32)  # [Hkv, g*T, S]
         return torch.bmm(softmax_to(scores, v.dtype), v[0]).reshape(1, h, t, d)
+    ta = _triton_kernels("triton_attn") if q.is_cuda and d >= 16 and d & (d - 1) == 0 else None
+    if ta is not None:
+        try:
+            return ta.attention_splitkv(qf, k, v).reshape(1, h, t, d)
+        except Exception as e:  # noqa: BLE001 - any failure: SDPA from then on, loudly
+            triton_failed("triton_attn", e)
     out = F.scaled_dot_product_attention(qf, k, v, scale=1.0)
     return out.reshape(1, h, t, d)
 

@@ -1,0 +1,233 @@
+"""Split-KV attention (flash-decoding style) for a denoise step's sliding layers: q [1, Hkv, M, d] with GQA
+folded into the rows (M = g * 256 canvas queries), k/v [1, Hkv, S, d] views of the KV cache (S = 1,023
+window keys + 256 canvas keys), d = 256, scale 1, no mask.
+
+`F.scaled_dot_product_attention` (cuDNN, 64 x 128 tiles) runs this as 64 programs on the H200's 132 SMs,
+35 us a layer where the two GEMMs' 5.4 GFLOP take ~7 us at the dense-GEMM rate. Here the keys are split
+too: kernel 1, grid (cdiv(M, BLOCK_M), Hkv, splits), gives each program one Q tile and one contiguous range
+of key blocks, runs an online softmax over it and writes its unnormalized fp32 output with the range's row
+max and sum; kernel 2 merges the splits per row in a fixed order (deterministic, no atomics) and writes q's
+dtype. 21 us a layer on the H200 (bench/attention_denoise.py).
+
+The math is a flash kernel's: scores are dots of the input dtype accumulated in fp32, the softmax is fp32,
+P is rounded to v's dtype before P @ V, the output accumulates in fp32. The number of key blocks a split
+walks is a compile-time constant (see the loop): one compile per value, at most 10 for a sliding layer
+(S <= 1,279 in 2 splits of 64-key blocks), and none once the window is full.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# Chosen on the H200 at the sliding shape (bench/attention_denoise.py --splitkv-sweep): 21 us. These tiles
+# take 164-224 KB of shared memory (2-3 stages), one program an SM, and one wave of programs (2 splits of
+# 8 x 8 row blocks and heads: 128) beat two (4 splits of the same tiles: 27-29 us); block_m 128 with 8 warps
+# in 4 splits came next (23 us).
+SPLITS: int | None = None  # None: `_auto_splits`
+BLOCK_M = 64
+BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 3
+MIN_SPLIT_BLOCKS = 4  # splits=None splits no range below this many key blocks
+COMBINE_ROWS = 16
+
+
+@triton.jit
+def _splitkv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    acc_ptr,
+    max_ptr,
+    sum_ptr,
+    M,
+    S,
+    stride_qh,
+    stride_qm,
+    stride_kh,
+    stride_kn,
+    stride_vh,
+    stride_vn,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_BLOCKS: tl.constexpr,
+):
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    ds = tl.arange(0, D)
+    q = tl.load(
+        q_ptr + head * stride_qh + rows[:, None] * stride_qm + ds[None, :], mask=row_ok[:, None], other=0.0
+    )
+    k_rows = k_ptr + head * stride_kh + ds[None, :]
+    v_rows = v_ptr + head * stride_vh + ds[None, :]
+    # Base-2 softmax: scores times log2(e), then exp2 (tl.exp lowers to a multiply and ex2.approx anyway; here
+    # the multiply folds into the max subtraction). The row max is in log2 units; the combine uses exp2 too.
+    # A finite floor for the max: a split with no keys writes max -1e30, sum 0, acc 0, which the combine weighs
+    # by exp2(-1e30 - m*) = 0, never inf - inf.
+    row_max = tl.full((BLOCK_M,), -1.0e30, tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    start = split * SPLIT_BLOCKS * BLOCK_N
+    end = tl.minimum(start + SPLIT_BLOCKS * BLOCK_N, S)
+    # A constant trip count, not `while start < end`: Triton pipelines only for-loops (num_stages: the next
+    # K/V blocks load while this one computes), 21 us against 26 at the best tiles of each on the H200; and
+    # the interpreter cannot bound a range by a runtime value. Blocks past `end` (the last split's tail) are
+    # masked: no memory traffic, p = 0, only the MMAs run.
+    for i in range(SPLIT_BLOCKS):
+        cols = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < end
+        k = tl.load(k_rows + cols[:, None] * stride_kn, mask=col_ok[:, None], other=0.0)
+        # ieee: fp32 inputs (the interpreter tests) multiply in fp32, not tf32; bf16/fp16 are unaffected
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * 1.4426950408889634
+        s = tl.where(col_ok[None, :], s, -float("inf"))
+        new_max = tl.maximum(row_max, tl.max(s, axis=1))
+        alpha = tl.exp2(row_max - new_max)
+        p = tl.exp2(s - new_max[:, None])
+        row_sum = row_sum * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_rows + cols[:, None] * stride_vn, mask=col_ok[:, None], other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+        row_max = new_max
+    out_rows = (split * tl.num_programs(1) + head) * M + rows  # [splits, Hkv, M] row-major
+    tl.store(max_ptr + out_rows, row_max, mask=row_ok)
+    tl.store(sum_ptr + out_rows, row_sum, mask=row_ok)
+    tl.store(acc_ptr + out_rows[:, None] * D + ds[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_kernel(
+    acc_ptr,
+    max_ptr,
+    sum_ptr,
+    o_ptr,
+    M,
+    stride_oh,
+    stride_om,
+    SPLITS: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    head = tl.program_id(1)
+    heads = tl.num_programs(1)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < M
+    ds = tl.arange(0, D)
+    m_max = tl.full((BLOCK_R,), -1.0e30, tl.float32)
+    for i in tl.static_range(SPLITS):
+        m_max = tl.maximum(
+            m_max, tl.load(max_ptr + (i * heads + head) * M + rows, mask=row_ok, other=-1.0e30)
+        )
+    num = tl.zeros((BLOCK_R, D), tl.float32)
+    den = tl.zeros((BLOCK_R,), tl.float32)
+    for i in tl.static_range(SPLITS):  # in split order: the same sums every run
+        split_rows = (i * heads + head) * M + rows
+        w = tl.exp2(tl.load(max_ptr + split_rows, mask=row_ok, other=-1.0e30) - m_max)
+        den += w * tl.load(sum_ptr + split_rows, mask=row_ok, other=1.0)
+        num += w[:, None] * tl.load(
+            acc_ptr + split_rows[:, None] * D + ds[None, :], mask=row_ok[:, None], other=0.0
+        )
+    out = num / den[:, None]
+    dst = o_ptr + head * stride_oh + rows[:, None] * stride_om + ds[None, :]
+    tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    # off CUDA (the interpreter): the H200's
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def _auto_splits(programs: int, key_blocks: int, sms: int) -> int:
+    """As many splits as fill one wave of one program per SM, each at least MIN_SPLIT_BLOCKS key blocks long,
+    none empty (splits of cdiv(key_blocks, splits) blocks may cover the keys in fewer than asked)."""
+    splits = max(1, min(sms // programs, key_blocks // MIN_SPLIT_BLOCKS))
+    return triton.cdiv(key_blocks, triton.cdiv(key_blocks, splits))
+
+
+def attention_splitkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    splits: int | None = SPLITS,
+    block_m: int = BLOCK_M,
+    block_n: int = BLOCK_N,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
+) -> torch.Tensor:
+    """softmax(q k^T) v, scale 1, no mask: q [1, Hkv, M, d], k/v [1, Hkv, S, d] (any strides with unit last
+    stride; k and v may be slices of one tensor) -> [1, Hkv, M, d] contiguous in q's dtype. splits: key ranges
+    per (row block, head), on block_n boundaries; None picks them from the SM count (`_auto_splits`).
+
+    d <= 256 only: at d = 512 (full layers: Hkv 2, M 2048, 4,352 keys) the tiles that compiled took 200 us
+    or more on the H200, twice `cuda.attention_nomask`'s 106."""
+    if (
+        q.dim() != 4
+        or q.shape[0] != 1
+        or k.shape != v.shape
+        or k.shape[:2] != q.shape[:2]
+        or k.shape[3] != q.shape[3]
+    ):
+        raise ValueError(
+            f"attention_splitkv: want q [1, Hkv, M, d], k/v [1, Hkv, S, d], got {q.shape} {k.shape} {v.shape}"
+        )
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"attention_splitkv: q, k, v dtypes differ: {q.dtype} {k.dtype} {v.dtype}")
+    _, hkv, m_rows, d = q.shape
+    s_keys = k.shape[2]
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(f"attention_splitkv: head_dim must be a power of two in [16, 256], got {d}")
+    if s_keys == 0 or q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
+        raise ValueError("attention_splitkv: needs at least one key and unit last strides")
+    key_blocks = triton.cdiv(s_keys, block_n)
+    row_blocks = triton.cdiv(m_rows, block_m)
+    if splits is None:
+        splits = _auto_splits(row_blocks * hkv, key_blocks, _sm_count(q.device))
+    f32 = {"device": q.device, "dtype": torch.float32}
+    acc = torch.empty(splits, hkv, m_rows, d, **f32)
+    maxes = torch.empty(splits, hkv, m_rows, **f32)
+    sums = torch.empty(splits, hkv, m_rows, **f32)
+    # Triton's default fp fusion (unlike triton_qkv): nothing here mirrors an eager op's rounding, the
+    # reference kernels sum in their own order, and an FMA in s * log2(e) - max only makes exponents exacter.
+    _splitkv_kernel[(row_blocks, hkv, splits)](
+        q,
+        k,
+        v,
+        acc,
+        maxes,
+        sums,
+        m_rows,
+        s_keys,
+        q.stride(1),
+        q.stride(2),
+        k.stride(1),
+        k.stride(2),
+        v.stride(1),
+        v.stride(2),
+        D=d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        SPLIT_BLOCKS=triton.cdiv(key_blocks, splits),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    out = torch.empty(1, hkv, m_rows, d, device=q.device, dtype=q.dtype)
+    _combine_kernel[(triton.cdiv(m_rows, COMBINE_ROWS), hkv)](
+        acc,
+        maxes,
+        sums,
+        out,
+        m_rows,
+        out.stride(1),
+        out.stride(2),
+        SPLITS=splits,
+        D=d,
+        BLOCK_R=COMBINE_ROWS,
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,70 @@
+"""The split-KV attention kernels (kernels/triton_attn.py) run by Triton's CPU interpreter at small shapes
+against a float64 softmax(q k^T) v. Skipped without triton.
+
+As in tests/test_triton_interpret.py, the check runs in a subprocess started with TRITON_INTERPRET=1: the
+interpreter must be on before triton wraps a kernel, and it stays out of this pytest process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _want(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(q.double() @ k.double().transpose(-1, -2), dim=-1) @ v.double()
+
+
+def _check_attn() -> None:
+    """M = 40 and S = 300, multiples of neither tile; q, k and v strided views (k and v two slices of one
+    cache tensor); one split, uneven splits, and more splits than key blocks (the last ones get no keys).
+    fp32 pins the indexing and the split merge; fp16 (rounded by the interpreter as on the GPU) the rounding
+    of P before P @ V. bf16 is left to tests/gpu: the interpreter truncates it."""
+    from diffgemma.kernels import triton_attn as ta
+
+    g = torch.Generator().manual_seed(0)
+    hkv, m, s, d = 2, 40, 300, 64
+    q = torch.randn(1, hkv, m + 5, d, generator=g)[:, :, :m] * d**-0.25 * 2  # scores of sd ~4
+    cache = torch.randn(2, hkv, s + 7, d, generator=g)
+    cache[0] *= d**-0.25 * 2
+    k, v = cache[:1, :, 3 : 3 + s], cache[1:, :, 3 : 3 + s]
+    want = _want(q, k, v)
+    # 10 key blocks of 32: splits of 10, of 4/4/2, of 1 (10 of the 16 non-empty)
+    for splits, block_m in ((1, 16), (3, 32), (16, 16), (None, 32)):
+        got = ta.attention_splitkv(q, k, v, splits, block_m=block_m, block_n=32)
+        assert got.shape == (1, hkv, m, d) and got.dtype == q.dtype and got.is_contiguous()
+        assert _rel(got, want) < 1e-5, (splits, _rel(got, want))
+
+    q16, k16, v16 = (t.half() for t in (q, k, v))
+    got = ta.attention_splitkv(q16, k16, v16, 3, block_m=16, block_n=32)
+    assert got.dtype == torch.float16 and _rel(got, _want(q16, k16, v16)) < 2e-3, _rel(
+        got, _want(q16, k16, v16)
+    )
+
+    with pytest.raises(ValueError, match="power of two"):
+        ta.attention_splitkv(q[..., :48], k[..., :48], v[..., :48])
+    with pytest.raises(ValueError, match="dtypes differ"):
+        ta.attention_splitkv(q, k16, v16)
+    with pytest.raises(ValueError, match="want q"):
+        ta.attention_splitkv(q, k[:, :1], v[:, :1])
+
+
+def test_attention_splitkv_under_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    code = "from tests.test_triton_attn_interpret import _check_attn; _check_attn()"
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
