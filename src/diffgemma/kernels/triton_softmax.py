@@ -20,24 +20,11 @@ import triton.language as tl
 
 BLOCK = 2048
 NUM_WARPS = 8
-# Programs an SM (None: one program a row). A program a row keeps several rows an SM in flight, ~1,000 rows of
-# 132 KB at 32k, more than the 50 MB L2, so pass 2 may read its row from HBM again. Measured on the H200
-# (bench/softmax_rows.py): 4 an SM is best of 1/2/4/8 but loses to a program a row at 1k-33k keys.
-ROWS_IN_FLIGHT_PER_SM: int | None = 4
 
 
 @triton.jit
-def _softmax_rows_kernel(x_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, base, period, BLOCK: tl.constexpr):
-    # Rows strided over the programs: with a few programs an SM, the rows being read at once fit in L2, so
-    # pass 2 reads its row from L2 (see ROWS_IN_FLIGHT_PER_SM).
+def _softmax_rows_kernel(x_ptr, y_ptr, n_cols, stride_x, stride_y, base, period, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    while row < n_rows:
-        _softmax_row(x_ptr, y_ptr, row, n_cols, stride_x, stride_y, base, period, BLOCK)
-        row += tl.num_programs(0)
-
-
-@triton.jit
-def _softmax_row(x_ptr, y_ptr, row, n_cols, stride_x, stride_y, base, period, BLOCK: tl.constexpr):
     limit = tl.minimum(n_cols, base + row % period)  # columns >= limit count as -inf (int32, as n_cols)
     x_row = x_ptr + row.to(tl.int64) * stride_x
     y_row = y_ptr + row.to(tl.int64) * stride_y
@@ -72,22 +59,17 @@ def _softmax_row(x_ptr, y_ptr, row, n_cols, stride_x, stride_y, base, period, BL
         start += BLOCK
 
 
-def softmax_rows(
-    x: torch.Tensor, dtype: torch.dtype, causal: tuple[int, int] | None = None, programs: int | None = None
-) -> torch.Tensor:
+def softmax_rows(x: torch.Tensor, dtype: torch.dtype, causal: tuple[int, int] | None = None) -> torch.Tensor:
     """softmax(x, dim=-1) in fp32, returned in `dtype`; x is fp32 with a contiguous last dimension. `causal` =
-    (base, period): row r (of the rows flattened) keeps its first base + r % period columns, the rest is 0.
-    `programs`: how many programs share the rows (default `_programs`)."""
+    (base, period): row r (of the rows flattened) keeps its first base + r % period columns, the rest is 0."""
     if x.dtype != torch.float32 or x.stride(-1) != 1:
         raise ValueError(f"softmax_rows wants fp32 rows with unit stride, got {x.dtype} {x.stride()}")
     rows = x.reshape(-1, x.shape[-1])
     out = torch.empty(rows.shape, device=x.device, dtype=dtype)
     base, period = causal or (rows.shape[1], 1)
-    grid = programs or _programs(rows.shape[0], x.device)
-    _softmax_rows_kernel[(max(1, min(grid, rows.shape[0])),)](
+    _softmax_rows_kernel[(rows.shape[0],)](
         rows,
         out,
-        rows.shape[0],
         rows.shape[1],
         rows.stride(0),
         out.stride(0),
@@ -97,9 +79,3 @@ def softmax_rows(
         num_warps=NUM_WARPS,
     )
     return out.view(x.shape)
-
-
-def _programs(n_rows: int, device: torch.device) -> int:
-    if ROWS_IN_FLIGHT_PER_SM is None or device.type != "cuda":
-        return n_rows
-    return ROWS_IN_FLIGHT_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
