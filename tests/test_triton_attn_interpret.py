@@ -47,6 +47,16 @@ def _check_attn() -> None:
         assert got.shape == (1, hkv, m, d) and got.dtype == q.dtype and got.is_contiguous()
         assert _rel(got, want) < 1e-5, (splits, _rel(got, want))
 
+    # out: the [T, H, d] rows o_proj reads, seen as [Hkv, g, T, d] (here g = 4 heads a KV head, T = 10)
+    rows = torch.full((10, hkv * 4, d), float("nan"))
+    got = ta.attention_splitkv(
+        q, k, v, 3, block_m=16, block_n=32, out=rows.view(10, hkv, 4, d).permute(1, 2, 0, 3)
+    )
+    assert got.data_ptr() == rows.data_ptr()
+    assert _rel(rows.view(10, hkv, 4, d).permute(1, 2, 0, 3).reshape(1, hkv, m, d), want) < 1e-5
+    with pytest.raises(ValueError, match="out must be"):
+        ta.attention_splitkv(q, k, v, out=rows[:5].view(5, hkv, 4, d).permute(1, 2, 0, 3))
+
     q16, k16, v16 = (t.half() for t in (q, k, v))
     got = ta.attention_splitkv(q16, k16, v16, 3, block_m=16, block_n=32)
     assert got.dtype == torch.float16 and _rel(got, _want(q16, k16, v16)) < 2e-3, _rel(

@@ -107,8 +107,10 @@ def _combine_kernel(
     sum_ptr,
     o_ptr,
     M,
+    T,
     stride_oh,
-    stride_om,
+    stride_og,
+    stride_ot,
     SPLITS: tl.constexpr,
     D: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -133,7 +135,9 @@ def _combine_kernel(
             acc_ptr + split_rows[:, None] * D + ds[None, :], mask=row_ok[:, None], other=0.0
         )
     out = num / den[:, None]
-    dst = o_ptr + head * stride_oh + rows[:, None] * stride_om + ds[None, :]
+    # row r of a head's M = g * T rows is query t = r % T of its group's head r // T
+    dst = o_ptr + head * stride_oh + (rows // T) * stride_og + (rows % T) * stride_ot
+    dst = dst[:, None] + ds[None, :]
     tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -159,10 +163,15 @@ def attention_splitkv(
     block_n: int = BLOCK_N,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T) v, scale 1, no mask: q [1, Hkv, M, d], k/v [1, Hkv, S, d] (any strides with unit last
     stride; k and v may be slices of one tensor) -> [1, Hkv, M, d] contiguous in q's dtype. splits: key ranges
     per (row block, head), on block_n boundaries; None picks them from the SM count (`_auto_splits`).
+
+    `out`, when given, receives the result and is returned: a [Hkv, g, T, d] view (g * T = M, q's dtype, unit
+    last stride), query row r of a head going to out[head, r // T, r % T]. `cuda.attention_nomask` passes the
+    [T, H, d] rows that o_proj reads, so that no copy of the output follows.
 
     d <= 256 only: at d = 512 (full layers: Hkv 2, M 2048, 4,352 keys) the tiles that compiled took 200 us
     or more on the H200, twice `cuda.attention_nomask`'s 106."""
@@ -184,6 +193,18 @@ def attention_splitkv(
         raise ValueError(f"attention_splitkv: head_dim must be a power of two in [16, 256], got {d}")
     if s_keys == 0 or q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
         raise ValueError("attention_splitkv: needs at least one key and unit last strides")
+    if out is not None and (
+        out.dim() != 4
+        or out.shape[0] != hkv
+        or out.shape[1] * out.shape[2] != m_rows
+        or out.shape[3] != d
+        or out.dtype != q.dtype
+        or out.stride(3) != 1
+    ):
+        raise ValueError(
+            f"attention_splitkv: out must be [Hkv, g, T, d] with g*T = {m_rows} in {q.dtype}, unit last stride; "
+            f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}"
+        )
     key_blocks = triton.cdiv(s_keys, block_n)
     row_blocks = triton.cdiv(m_rows, block_m)
     if splits is None:
@@ -216,18 +237,21 @@ def attention_splitkv(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    out = torch.empty(1, hkv, m_rows, d, device=q.device, dtype=q.dtype)
+    result = out if out is not None else torch.empty(1, hkv, m_rows, d, device=q.device, dtype=q.dtype)
+    dst = result if out is not None else result.view(hkv, 1, m_rows, d)
     _combine_kernel[(triton.cdiv(m_rows, COMBINE_ROWS), hkv)](
         acc,
         maxes,
         sums,
-        out,
+        dst,
         m_rows,
-        out.stride(1),
-        out.stride(2),
+        dst.shape[2],
+        dst.stride(0),
+        dst.stride(1),
+        dst.stride(2),
         SPLITS=splits,
         D=d,
         BLOCK_R=COMBINE_ROWS,
         num_warps=4,
     )
-    return out
+    return result
