@@ -128,12 +128,12 @@ def attention_nomask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
     GQA is folded into the query length ([1, Hkv, g*T, d]) so that each KV head is read once and no mask is
     needed. d <= 256 (sliding layers) runs the split-KV Triton kernel (kernels/triton_attn.py: 21 against
-    SDPA's 35 us a layer on an H200, whose cuDNN kernel fills only 64 of the 132 SMs), else SDPA. d = 512
-    (full layers) has no flash kernel and PyTorch's memory-efficient one ran at ~90 TFLOP/s on an H200 (3 ms
-    per layer at 32k); there the scores are materialized instead: two cuBLAS GEMMs at several hundred TFLOP/s
-    around an fp32 softmax. The scores come out of the GEMM in fp32 (bf16 products, fp32 accumulation, as in
-    the fused kernels) and P is rounded to the value dtype before P @ V, as flash kernels do. Memory:
-    Hkv * g*T * S * 6 bytes (3 GiB at 128k)."""
+    SDPA's 35 us a layer on an H200, whose cuDNN kernel fills only 64 of the 132 SMs) and returns a view of the
+    [T, H, d] rows o_proj reads, else SDPA. d = 512 (full layers) has no flash kernel and PyTorch's
+    memory-efficient one ran at ~90 TFLOP/s on an H200 (3 ms per layer at 32k); there the scores are
+    materialized instead: two cuBLAS GEMMs at several hundred TFLOP/s around an fp32 softmax. The scores come
+    out of the GEMM in fp32 (bf16 products, fp32 accumulation, as in the fused kernels) and P is rounded to the
+    value dtype before P @ V, as flash kernels do. Memory: Hkv * g*T * S * 6 bytes (3 GiB at 128k)."""
     _, h, t, d = q.shape
     hkv = k.shape[1]
     qf = q.reshape(1, hkv, (h // hkv) * t, d)
