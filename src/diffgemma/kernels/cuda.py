@@ -143,9 +143,8 @@ def attention_nomask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     ta = _triton_kernels("triton_attn") if q.is_cuda and d >= 16 and d & (d - 1) == 0 else None
     if ta is not None:
         try:
-            rows = torch.empty(
-                t, h, d, device=q.device, dtype=q.dtype
-            )  # o_proj's input: `ref.rows` is a view
+            # the output lands in o_proj's input rows [T, H, d]: `ref.rows` of the returned view is free
+            rows = torch.empty(t, h, d, device=q.device, dtype=q.dtype)
             ta.attention_splitkv(qf, k, v, out=rows.view(t, hkv, h // hkv, d).permute(1, 2, 0, 3))
             return rows.transpose(0, 1)[None]
         except Exception as e:  # noqa: BLE001 - any failure: SDPA from then on, loudly
