@@ -16,11 +16,9 @@ import torch
 
 pytest.importorskip("triton")
 
+from tests.test_triton_interpret import _rel  # noqa: E402 - after the skip without triton
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _want(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 ta = pytest.importorskip("diffgemma.kernels.triton_attn", reason="needs triton")
+
+from tests.test_triton_attn_interpret import _rel, _want  # noqa: E402 - after the skip without triton
+
 DEV = "cuda"
 
 
@@ -24,14 +27,6 @@ def _inputs(s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cache = torch.randn(2, 8, 1400, d, device=DEV, dtype=torch.bfloat16)
     cache[0] *= d**-0.25
     return q.reshape(1, 8, 512, d), cache[:1, :, :s], cache[1:, :, :s]
-
-
-def _want(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return torch.softmax(q.double() @ k.double().transpose(-1, -2), dim=-1) @ v.double()
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def test_splitkv_matches_reference_and_sdpa():

@@ -81,6 +81,15 @@ def triton_qkv_for(x: torch.Tensor, head_dim: int):
     return _triton_kernels("triton_qkv")
 
 
+def triton_attn_for(q: torch.Tensor):
+    """kernels.triton_attn when its kernels suit this call (CUDA, a power-of-two head_dim of at least 16, no
+    earlier failure), else None."""
+    d = q.shape[-1]
+    if not (q.is_cuda and d >= 16 and d & (d - 1) == 0):
+        return None
+    return _triton_kernels("triton_attn")
+
+
 def moe_experts(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
@@ -140,7 +149,7 @@ def attention_nomask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     if d > 256 and q.is_cuda:
         scores = torch.bmm(qf[0], k[0].transpose(1, 2), out_dtype=torch.float32)  # [Hkv, g*T, S]
         return torch.bmm(softmax_to(scores, v.dtype), v[0]).reshape(1, h, t, d)
-    ta = _triton_kernels("triton_attn") if q.is_cuda and d >= 16 and d & (d - 1) == 0 else None
+    ta = triton_attn_for(q)
     if ta is not None:
         try:
             # the output lands in o_proj's input rows [T, H, d]: `ref.rows` of the returned view is free
