@@ -1,5 +1,5 @@
-"""The split-KV attention kernels (kernels/triton_attn.py) run by Triton's CPU interpreter at small shapes
-against a float64 softmax(q k^T) v. Skipped without triton.
+"""The attention kernels of kernels/triton_attn.py (split-KV, sliding-window prefill) run by Triton's CPU
+interpreter at small shapes against a float64 softmax(q k^T) v. Skipped without triton.
 
 As in tests/test_triton_interpret.py, the check runs in a subprocess started with TRITON_INTERPRET=1: the
 interpreter must be on before triton wraps a kernel, and it stays out of this pytest process."""
@@ -72,6 +72,63 @@ def _check_attn() -> None:
 def test_attention_splitkv_under_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     code = "from tests.test_triton_attn_interpret import _check_attn; _check_attn()"
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _want_window(q: torch.Tensor, past: torch.Tensor, chunk: torch.Tensor, window: int) -> torch.Tensor:
+    """float64 rows [T, H * d] of query t (position n + t) over the keys at n + t - window < p <= n + t."""
+    _, h, t, d = q.shape
+    n = past.shape[2]
+    kv = torch.cat([past, chunk], dim=2).double().repeat_interleave(h // past.shape[1], dim=1)
+    qpos, kpos = torch.arange(n, n + t)[:, None], torch.arange(n + t)[None]
+    seen = (kpos <= qpos) & (kpos > qpos - window)
+    s = (q[0].double() @ kv[0].transpose(-1, -2)).masked_fill(~seen, float("-inf"))
+    return (torch.softmax(s, dim=-1) @ kv[1]).transpose(0, 1).reshape(t, h * d)
+
+
+def _check_window() -> None:
+    """Window 50 against tiles of 16 and 32, so that key blocks straddle the past/chunk boundary and the
+    window's edges, and a query block's 49 + block_m keys (65 or 81) spill one key into their last key block
+    (one block fewer would miss it): the first chunk (n = 0, T = 70 a multiple of no tile), a full window
+    (n = 49) and a partial one (n = 10). q a slice of a longer one, past a strided view of a [2, S, Hkv, d]
+    cache. fp32 pins the indexing and masks, fp16 the rounding of P."""
+    from diffgemma.kernels import triton_attn as ta
+
+    g = torch.Generator().manual_seed(0)
+    h, hkv, d, w = 4, 2, 64, 50
+    for n, t, block_m, block_n in ((0, 70, 16, 32), (w - 1, 37, 32, 16), (10, 100, 16, 16)):
+        q = torch.randn(1, h, t + 3, d, generator=g)[:, :, :t] * d**-0.25 * 2  # scores of sd ~4
+        cache = torch.randn(2, 60, hkv, d, generator=g).permute(0, 2, 1, 3)
+        cache[0] *= d**-0.25 * 2
+        past = cache[:, :, 5 : 5 + n]
+        chunk = torch.randn(2, hkv, t, d, generator=g)
+        chunk[0] *= d**-0.25 * 2
+        want = _want_window(q, past, chunk, w)
+        got = ta.attention_window_rows(q, past, chunk, w, block_m=block_m, block_n=block_n)
+        assert got.shape == (t, h * d) and got.dtype == q.dtype
+        assert _rel(got, want) < 1e-5, (n, t, _rel(got, want))
+
+    q16, past16, chunk16 = q.half(), past.half(), chunk.half()
+    got = ta.attention_window_rows(q16, past16, chunk16, w, block_m=32, block_n=32)
+    want = _want_window(q16, past16, chunk16, w)
+    assert got.dtype == torch.float16 and _rel(got, want) < 2e-3, _rel(got, want)
+
+    with pytest.raises(ValueError, match="window sees at most"):
+        ta.attention_window_rows(q, past, chunk, 10)
+    with pytest.raises(ValueError, match="dtypes differ"):
+        ta.attention_window_rows(q, past16, chunk16, w)
+    with pytest.raises(ValueError, match="power of two"):
+        ta.attention_window_rows(q[..., :48], past[..., :48], chunk[..., :48], w)
+    with pytest.raises(ValueError, match="want q"):
+        ta.attention_window_rows(q, past, chunk[:, :, 1:], w)
+
+
+def test_attention_window_rows_under_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    code = "from tests.test_triton_attn_interpret import _check_window; _check_window()"
     r = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )

@@ -231,14 +231,25 @@ def attention_window(
     positions before the chunk; chunk [2, Hkv, T, d]: the chunk's own; bias: `window_bias` (its shape gives the
     block and the window).
 
-    One SDPA call for all blocks of queries: the past and the chunk are copied into one buffer, and block n's
-    keys are a strided view of it (no copy per block). GQA is folded into the query rows, so the KV heads are not
-    expanded. Slots that hold no position are zeros (masked, but a NaN there would still poison P @ V)."""
+    On CUDA with d a power of two <= 256: the Triton kernel `triton_attn.attention_window_rows`, which reads
+    past and chunk in place, walks only each query block's window and writes the rows.
+
+    Else (and after a Triton failure) one SDPA call for all blocks of queries: the past and the chunk are copied
+    into one buffer, and block n's keys are a strided view of it (no copy per block). GQA is folded into the
+    query rows, so the KV heads are not expanded. Slots that hold no position are zeros (masked, but a NaN there
+    would still poison P @ V)."""
     _, h, t, d = q.shape
     hkv, n = chunk.shape[1], past.shape[2]
     g = h // hkv
     b = bias.shape[2] // g
     w = bias.shape[3] - b
+    ta = triton_attn_for(q) if d <= 256 else None
+    if ta is not None:
+        try:
+            return ta.attention_window_rows(q, past, chunk, w)
+        except Exception as e:  # noqa: BLE001 - any failure: SDPA from then on, loudly
+            # (the switch is per module: the denoise steps' split-KV kernel goes back to SDPA too)
+            triton_failed("triton_attn", e)
     nb = -(-t // b)
     tp = nb * b
     buf = torch.empty(2, hkv, w + tp, d, device=q.device, dtype=q.dtype)

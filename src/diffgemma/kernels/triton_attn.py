@@ -13,6 +13,12 @@ The math is a flash kernel's: scores are dots of the input dtype accumulated in 
 P is rounded to v's dtype before P @ V, the output accumulates in fp32. The number of key blocks a split
 walks is a compile-time constant (see the loop): one compile per value, at most 10 for a sliding layer
 (S <= 1,279 in 2 splits of 64-key blocks), and none once the window is full.
+
+`attention_window_rows` is a prefill chunk's sliding-window attention (T queries after n <= window - 1 cached
+positions, each seeing the window keys up to itself) in the same flash math, one program per block of
+queries of one head, writing o_proj's rows [T, H * d]. It reads the cached past and the chunk's own K/V where
+they lie and walks only the window of each query block, where `cuda.attention_window`'s SDPA call copies both
+into one buffer and computes 128 + window keys per block of 128 queries, half of them masked.
 """
 
 from __future__ import annotations
@@ -255,3 +261,148 @@ def attention_splitkv(
         num_warps=4,
     )
     return result
+
+
+# Sliding-window prefill tiles, from bench/attention_prefill_window.py --sweep on an H200 (T = 4,096, window
+# 1,024, d = 256; bench/results/prefill_window_sweep/): 202 us a layer against 338 us for the split-KV kernel's
+# 64/64/4 warps and 460 us for the SDPA path. Shared memory: the 64 KB Q tile and 32 KB each of K and V a stage,
+# 192 KB of the 227 KB; 3 stages do not fit.
+WINDOW_BLOCK_M = 128
+WINDOW_BLOCK_N = 64
+WINDOW_NUM_WARPS = 8
+WINDOW_NUM_STAGES = 2
+
+
+# n and T only bound masks: not specialized (n % 16, T % 16), so a model compiles this once per tile.
+@triton.jit(do_not_specialize=["n", "T"])
+def _window_kernel(
+    q_ptr,
+    past_ptr,
+    chunk_ptr,
+    out_ptr,
+    n,
+    T,
+    stride_qh,
+    stride_qt,
+    stride_pv,
+    stride_ph,
+    stride_pn,
+    stride_cv,
+    stride_ch,
+    stride_cn,
+    stride_ot,
+    GROUP: tl.constexpr,
+    WINDOW: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NB: tl.constexpr,
+):
+    head = tl.program_id(1)
+    t0 = tl.program_id(0) * BLOCK_M
+    ts = t0 + tl.arange(0, BLOCK_M)
+    ds = tl.arange(0, D)
+    q = tl.load(
+        q_ptr + head * stride_qh + ts[:, None] * stride_qt + ds[None, :], mask=(ts < T)[:, None], other=0.0
+    )
+    past = past_ptr + (head // GROUP) * stride_ph
+    chunk = chunk_ptr + (head // GROUP) * stride_ch
+    # Key index kj: past slot kj below n, chunk slot kj - n from n on; query t is key n + t. The block's
+    # queries see keys first .. end - 1, at most WINDOW - 1 + BLOCK_M of them: NB blocks cover them.
+    first = tl.maximum(n + t0 - WINDOW + 1, 0)
+    end = tl.minimum(n + t0 + BLOCK_M, n + T)
+    row_max = tl.full((BLOCK_M,), -1.0e30, tl.float32)  # finite: a row with no key yet never makes inf - inf
+    row_sum = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    # A constant trip count, as in _splitkv_kernel: pipelined, and runnable by the interpreter. Blocks past
+    # `end` (a chunk's first queries, n = 0) load nothing but still run their MMAs.
+    for i in range(NB):
+        kj = first + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        key_ok = kj < end
+        # One load a block through selected row pointers, not a load from each side and a select of the values:
+        # compiled for sm_90 at the default tiles, 160 KB of shared memory and 92 bytes of spills against 192 KB
+        # and 530 bytes. Masked lanes touch no memory.
+        in_past = kj < n
+        k_rows = tl.where(in_past, past + kj * stride_pn, chunk + (kj - n) * stride_cn)
+        v_rows = k_rows + tl.where(in_past, stride_pv, stride_cv)
+        k = tl.load(k_rows[:, None] + ds[None, :], mask=key_ok[:, None], other=0.0)
+        # ieee: fp32 inputs (the interpreter tests) multiply in fp32, not tf32; bf16/fp16 are unaffected
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * 1.4426950408889634
+        behind = (n + ts)[:, None] - kj[None, :]  # causal and window; kj < n + T follows for rows t < T
+        s = tl.where((behind >= 0) & (behind < WINDOW), s, -float("inf"))
+        new_max = tl.maximum(row_max, tl.max(s, axis=1))
+        alpha = tl.exp2(row_max - new_max)
+        p = tl.exp2(s - new_max[:, None])
+        row_sum = row_sum * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_rows[:, None] + ds[None, :], mask=key_ok[:, None], other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+        row_max = new_max
+    out = acc / row_sum[:, None]
+    dst = out_ptr + ts[:, None] * stride_ot + head * D + ds[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=(ts < T)[:, None])
+
+
+def attention_window_rows(
+    q: torch.Tensor,
+    past: torch.Tensor,
+    chunk: torch.Tensor,
+    window: int,
+    block_m: int = WINDOW_BLOCK_M,
+    block_n: int = WINDOW_BLOCK_N,
+    num_warps: int = WINDOW_NUM_WARPS,
+    num_stages: int = WINDOW_NUM_STAGES,
+) -> torch.Tensor:
+    """Causal sliding-window attention of a prefill chunk, scale 1: query t (position n + t) sees the keys at
+    positions p with n + t - window < p <= n + t. q [1, H, T, d]; past [2, Hkv, n, d]: K and V of the
+    n <= window - 1 positions before the chunk; chunk [2, Hkv, T, d]: the chunk's own (any strides with unit
+    last stride). Returns rows [T, H * d] in q's dtype (o_proj's input: query head h at columns h*d..)."""
+    if (
+        q.dim() != 4
+        or q.shape[0] != 1
+        or past.dim() != 4
+        or chunk.shape != (2, past.shape[1], q.shape[2], q.shape[3])
+        or past.shape[0] != 2
+        or past.shape[3] != q.shape[3]
+        or q.shape[1] % past.shape[1]
+    ):
+        raise ValueError(
+            "attention_window_rows: want q [1, H, T, d], past [2, Hkv, n, d], chunk [2, Hkv, T, d] with Hkv "
+            f"dividing H, got {tuple(q.shape)} {tuple(past.shape)} {tuple(chunk.shape)}"
+        )
+    if not q.dtype == past.dtype == chunk.dtype:
+        raise ValueError(f"attention_window_rows: dtypes differ: {q.dtype} {past.dtype} {chunk.dtype}")
+    _, h, t, d = q.shape
+    hkv, n = past.shape[1], past.shape[2]
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(f"attention_window_rows: head_dim must be a power of two in [16, 256], got {d}")
+    if q.stride(3) != 1 or past.stride(3) != 1 or chunk.stride(3) != 1:
+        raise ValueError("attention_window_rows: needs unit last strides")
+    if n > window - 1:
+        raise ValueError(f"attention_window_rows: {n} past positions, the window sees at most {window - 1}")
+    out = torch.empty(t, h * d, device=q.device, dtype=q.dtype)
+    _window_kernel[(triton.cdiv(t, block_m), h)](
+        q,
+        past,
+        chunk,
+        out,
+        n,
+        t,
+        q.stride(1),
+        q.stride(2),
+        past.stride(0),
+        past.stride(1),
+        past.stride(2),
+        chunk.stride(0),
+        chunk.stride(1),
+        chunk.stride(2),
+        out.stride(0),
+        GROUP=h // hkv,
+        WINDOW=window,
+        D=d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        NB=triton.cdiv(window - 1 + block_m, block_n),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
