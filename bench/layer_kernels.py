@@ -37,15 +37,14 @@ def bench_route(regions: dict, n: int) -> dict:
     region = time_graph(lambda: regions["route"](logits, pes, 8)) * 1e3
     kernel = time_graph(lambda: tr.route_sort(logits, pes, 8)) * 1e3
     print(f"route n={n:5d}: region {region:7.1f} us, triton {kernel:7.1f} us", flush=True)
-    # the kernels' rows a program and warps (module settings read at each call): 256 rows in blocks of 16 are
-    # only 16 programs
+    # the kernels' rows a program and warps (module settings read at each call)
     tiles = {}
-    default = (tr.BLOCK_ROWS, tr.NUM_WARPS)
+    default = (tr.block_rows, tr.NUM_WARPS)
     for rows, warps in [(r, w) for r in (4, 8, 16, 32) for w in (1, 2, 4)]:
-        tr.BLOCK_ROWS, tr.NUM_WARPS = rows, warps
+        tr.block_rows, tr.NUM_WARPS = (lambda _n, r=rows: r), warps
         tiles[f"rows{rows}_warps{warps}"] = us = time_graph(lambda: tr.route_sort(logits, pes, 8)) * 1e3
         print(f"  route n={n:5d} block_rows {rows:2d} warps {warps}: {us:7.1f} us", flush=True)
-    tr.BLOCK_ROWS, tr.NUM_WARPS = default
+    tr.block_rows, tr.NUM_WARPS = default
     return {"op": "route", "rows": n, "region_us": region, "triton_us": kernel, "triton_tiles_us": tiles}
 
 

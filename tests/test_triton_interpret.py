@@ -124,9 +124,10 @@ def check_route_sort(logits: torch.Tensor, pes: torch.Tensor, k: int) -> None:
 
 def _check_route() -> None:
     """Rows of ties (bf16 logits tie often), a row all tied, E not a power of two, N not a multiple of the
-    kernels' row block, more row blocks than the sort's block of them and more pairs than its pair block."""
+    kernels' row block, more row blocks than the sort's block of them and more pairs than its pair block; row
+    blocks of 4, 8, 16 and 32 (`triton_route.block_rows`)."""
     g = torch.Generator().manual_seed(0)
-    for n, e, k in ((40, 6, 3), (70, 128, 8), (33, 12, 4), (600, 12, 4)):
+    for n, e, k in ((40, 6, 3), (70, 128, 8), (33, 12, 4), (600, 12, 4), (1500, 12, 4), (2100, 12, 2)):
         logits = (torch.randn(n, e, generator=g) * 2).bfloat16()
         logits[0] = 1.0
         check_route_sort(logits, torch.rand(e, generator=g) + 0.5, k)
