@@ -358,15 +358,16 @@ class GraphStep:
 
     Inputs are copied into static buffers; the output is the graph's static logits (callers clone)."""
 
-    def __init__(self, fn, canvas: torch.Tensor, sc: torch.Tensor | None, pool):
+    def __init__(self, fn, canvas: torch.Tensor, sc: torch.Tensor | None, pool, warm_up: bool = True):
         self.canvas = canvas.clone()
         self.sc = None if sc is None else sc.clone()
         self.fn = fn
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside capture: cuBLAS handles, SDPA workspaces
-            fn(self.canvas, self.sc)
-        torch.cuda.current_stream().wait_stream(stream)
+        if warm_up:  # outside capture: compiles, cuBLAS handles, SDPA workspaces
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn(self.canvas, self.sc)
+            torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             self.out = fn(self.canvas, self.sc)

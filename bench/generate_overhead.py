@@ -1,0 +1,126 @@
+"""Where a generation's time goes beyond its graphed denoise steps, on one model build at the real shape (random
+weights, transformers' init): a 1k prompt, then 4 blocks of 256 tokens at 48 fixed steps each
+(`engine.generate.generate` with the bench's fixed-step sampler). Per run: wall time, the prefill and denoise
+seconds `generate` reports, the CUDA-graph captures (count and seconds, timed around `GraphStep`), the graphed
+step's CUDA-event median at the final length, and the denoise time left over per block after steps x median.
+The generated ids' hash tells two versions' outputs apart. Runs from the source tree on PYTHONPATH.
+
+    PYTHONPATH=src python bench/generate_overhead.py [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+
+import torch
+
+from diffgemma.bench import REAL_CONFIG, fixed_steps_sampler, random_model
+from diffgemma.engine.generate import generate
+from diffgemma.kernels import cuda as fast_ops
+
+PROMPT, BLOCKS, STEPS, RUNS = 1024, 4, 48, 4
+
+
+class Captures:
+    """Counts and times GraphStep constructions (its warm-up and capture) by wrapping the class."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds = 0, 0.0
+        real = fast_ops.GraphStep
+
+        def timed(*args, **kwargs):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step = real(*args, **kwargs)
+            torch.cuda.synchronize()
+            self.count += 1
+            self.seconds += time.perf_counter() - t0
+            return step
+
+        fast_ops.GraphStep = timed
+
+
+def step_median_ms(model, kv) -> float:
+    """The graphed denoise step (SC probabilities given) at the cache's current length, median of 10."""
+    canvas = torch.randint(0, model.cfg.vocab_size, (1, model.cfg.canvas_length))
+    probs = torch.softmax(torch.randn(model.cfg.canvas_length, model.cfg.vocab_size, device="cuda"), -1)
+    for _ in range(3):
+        model.denoise(canvas, kv, sc_probs=probs)
+    ms = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        model.denoise(canvas, kv, sc_probs=probs)
+        b.record()
+        torch.cuda.synchronize()
+        ms.append(a.elapsed_time(b))
+    return sorted(ms)[len(ms) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    model = random_model(REAL_CONFIG, "cuda", torch.bfloat16, init="hf")
+    canvas = model.cfg.canvas_length
+    kv = model.new_cache(PROMPT + (BLOCKS + 1) * canvas)
+    prompt = torch.randint(
+        0, model.cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
+    sampler = fixed_steps_sampler(STEPS)
+    captures = Captures()
+    runs = []
+    for r in range(RUNS):  # run 0 warms up (compiles)
+        kv.reset()
+        c0, s0 = captures.count, captures.seconds
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = generate(model, prompt, kv, sampler, max_new_tokens=BLOCKS * canvas)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        run = {
+            "wall_s": wall,
+            "prefill_s": out.prefill_seconds,
+            "denoise_s": out.denoise_seconds,
+            "steps": out.steps,
+            "blocks": out.blocks,
+            "captures": captures.count - c0,
+            "capture_s": captures.seconds - s0,
+            "ids_sha1": hashlib.sha1(str(out.token_ids).encode()).hexdigest()[:12],
+        }
+        runs.append(run)
+        print(
+            f"run {r}: wall {wall:.3f} s, prefill {out.prefill_seconds:.3f} s, denoise {out.denoise_seconds:.3f} s"
+            f" ({out.steps} steps, {out.blocks} blocks), captures {run['captures']} in {run['capture_s']:.3f} s,"
+            f" ids {run['ids_sha1']}",
+            flush=True,
+        )
+    ms = step_median_ms(model, kv)
+    last = runs[1:]
+    denoise = sorted(r["denoise_s"] for r in last)[len(last) // 2]
+    left = (denoise - STEPS * BLOCKS * ms / 1e3) / BLOCKS
+    wall = sorted(r["wall_s"] for r in last)[len(last) // 2]
+    print(
+        f"graphed step {ms:.2f} ms at length {kv.length}; median of runs 1-{RUNS - 1}: wall {wall:.3f} s, "
+        f"denoise {denoise:.3f} s, left over {left * 1e3:.1f} ms a block beyond {STEPS} x the step",
+        flush=True,
+    )
+    if args.out:
+        doc = {
+            "device": torch.cuda.get_device_name(),
+            "setup": f"prompt {PROMPT}, {BLOCKS} blocks of {canvas}, {STEPS} fixed steps",
+            "runs": runs,
+            "step_ms": ms,
+            "median_wall_s": wall,
+            "median_denoise_s": denoise,
+            "left_over_ms_per_block": left * 1e3,
+        }
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
