@@ -216,8 +216,44 @@ def _check_combine() -> None:
                     assert exact >= min_exact, (dt, weighted, exact)
 
 
+def check_row_stats(logits: torch.Tensor, temp: float) -> None:
+    """`triton_sampler.row_stats` against the sampler's torch ops (also run by tests/gpu): the same argmax, and
+    probabilities, entropies and top probabilities within a few fp32 ulps."""
+    from diffgemma.engine import sampler as S
+    from diffgemma.kernels import triton_sampler as ts
+
+    probs, entropy, argmax, p_max = ts.row_stats(logits, temp)
+    z = logits / temp
+    logp = torch.log_softmax(z, dim=-1)
+    want = logp.exp()
+    assert torch.equal(argmax, want.max(-1).indices)
+    assert torch.equal(p_max, probs.max(-1).values)  # sc_probs' sparse floor takes p_max as the rows' max
+    torch.testing.assert_close(probs, want, rtol=2e-5, atol=1e-12)
+    torch.testing.assert_close(entropy, -(want * logp).sum(-1), rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(p_max, want.max(-1).values, rtol=2e-5, atol=0)
+    if S.fast_ops.triton_sampler_for(logits) is None:
+        return
+    stats = S.row_stats(logits, temp)  # the sampler's dispatch takes the kernel
+    assert torch.equal(stats.probs, probs) and torch.equal(stats.entropy, entropy)
+
+
+def _check_sampler() -> None:
+    """Rows longer than one block and not a multiple of it, a row whose maximum is tied (the first column wins),
+    a flat row (entropy log V), a peaked row (entropy ~0) and temperatures below and above 1."""
+    from diffgemma.kernels import triton_sampler as ts
+
+    g = torch.Generator().manual_seed(0)
+    for v, temp in ((2 * ts.BLOCK + 37, 0.7), (ts.BLOCK // 2, 1.3)):
+        logits = torch.randn(5, v, generator=g) * 4
+        logits[1, [3, v - 2, v // 2]] = 40.0
+        logits[2] = 0.25
+        logits[3, v - 1] = 200.0
+        check_row_stats(logits, temp)
+
+
 @pytest.mark.parametrize(
-    "check", ["_check_moe", "_check_softmax", "_check_route", "_check_qkv", "_check_combine"]
+    "check",
+    ["_check_moe", "_check_softmax", "_check_route", "_check_qkv", "_check_combine", "_check_sampler"],
 )
 def test_triton_kernels_under_interpreter(check: str):
     env = {**os.environ, "TRITON_INTERPRET": "1"}

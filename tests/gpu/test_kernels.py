@@ -284,6 +284,19 @@ def test_route_sort_matches_torch(n):
     assert bool((ids.sort(1).values == want.sort(1).values).all())
 
 
+@pytest.mark.parametrize("temp", [0.4, 1.0])
+def test_row_stats_matches_torch(temp):
+    """The sampler's row pass at a denoise step's shape: 256 rows of the vocabulary's 262,144 softcapped logits
+    (|logit| < 30), two rows tied at their maximum."""
+    from tests.test_triton_interpret import check_row_stats
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    logits = 30 * torch.tanh(torch.randn(256, 262144, generator=g, device=DEV) * 0.2)
+    logits[7, [11, 200_000]] = 29.5
+    logits[8] = 1.0
+    check_row_stats(logits, temp)
+
+
 @pytest.mark.parametrize("t", [256, 4000])
 def test_norm_rope_matches_region(t):
     from tests.test_triton_interpret import check_norm_rope

@@ -95,22 +95,21 @@ def denoise_block(
         uniforms = torch.from_numpy(rng.uniforms(n * canvas_len).reshape(n, canvas_len)).to(device)
     canvas = noise[0]
     stops = S.StopState(cfg, cfg.pad_token_id)
-    probs = None
     stats = None
     for i in range(n):
         if cancel is not None and cancel.cancelled:
             return None
         remaining = n - i
         temp = S.temperature(cfg, remaining)
-        if probs is not None:
-            logits = model.denoise(canvas[None], kv, sc_probs=S.sc_probs(probs, cfg.sc_sparse))
+        if stats is not None:
+            sc = S.sc_probs(stats.probs, cfg.sc_sparse, stats.p_max)
+            logits = model.denoise(canvas[None], kv, sc_probs=sc)
         else:
             logits = model.denoise(canvas[None], kv, sc_seed=cfg.first_step_sc_seed)
         stats = S.row_stats(logits[0], temp)
         mask = S.accept_mask(stats.entropy, cfg.entropy_bound)
         denoised = stats.argmax if uniforms is None else S.categorical(stats.probs, uniforms[i])
         canvas = torch.where(mask, denoised, noise[i + 1])  # renoise every non-accepted row
-        probs = stats.probs
         stop = stops.update(i + 1, stats.argmax, stats.entropy, mask)
         if on_step is not None:
             on_step(StepInfo(block_index, i + 1, temp, stats.argmax, mask, stats.entropy.mean()))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from diffgemma.config import SamplerConfig
+from diffgemma.kernels import cuda as fast_ops
 
 SC_SPARSE_LOG_RATIO = -10.0  # seed §5: survivors have p >= e^-10 * row max
 
@@ -29,7 +30,15 @@ class RowStats:
 
 
 def row_stats(logits: torch.Tensor, temp: float) -> RowStats:
-    """Tempered softmax, entropy, argmax and top probability per canvas row. logits [C, V] fp32."""
+    """Tempered softmax, entropy, argmax and top probability per canvas row. logits [C, V] fp32.
+
+    On CUDA one Triton kernel (`kernels.triton_sampler`), else (and after a Triton failure) the torch ops."""
+    ts = fast_ops.triton_sampler_for(logits)
+    if ts is not None:
+        try:
+            return RowStats(*ts.row_stats(logits, temp))
+        except Exception as e:  # noqa: BLE001 - any failure: the torch ops from then on, loudly
+            fast_ops.triton_failed("triton_sampler", e)
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temp
     logp = torch.log_softmax(z, dim=-1)
     probs = logp.exp()
@@ -53,11 +62,14 @@ def categorical(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target).clamp_max(probs.shape[-1] - 1)[:, 0]
 
 
-def sc_probs(probs: torch.Tensor, sparse: bool) -> torch.Tensor:
-    """The next step's SC probabilities; the sparse variant drops the tail below e^-10 of the row max."""
+def sc_probs(probs: torch.Tensor, sparse: bool, p_max: torch.Tensor | None = None) -> torch.Tensor:
+    """The next step's SC probabilities; the sparse variant drops the tail below e^-10 of the row max (`p_max`,
+    the rows' max when the caller has it: `RowStats.p_max`)."""
     if not sparse:
         return probs
-    floor = probs.max(-1, keepdim=True).values * math.exp(SC_SPARSE_LOG_RATIO)
+    if p_max is None:
+        p_max = probs.max(-1).values
+    floor = p_max[:, None] * math.exp(SC_SPARSE_LOG_RATIO)
     return torch.where(probs >= floor, probs, torch.zeros_like(probs))
 
 

@@ -73,6 +73,13 @@ def triton_combine_for(h: torch.Tensor):
     return _triton_kernels("triton_combine") if h.is_cuda else None
 
 
+def triton_sampler_for(logits: torch.Tensor):
+    """kernels.triton_sampler for CUDA fp32 rows of unit stride (no earlier failure), else None."""
+    if not (logits.is_cuda and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1):
+        return None
+    return _triton_kernels("triton_sampler")
+
+
 def triton_qkv_for(x: torch.Tensor, head_dim: int):
     """kernels.triton_qkv when its kernel suits this call (CUDA, a power-of-two head_dim, no earlier failure),
     else None."""

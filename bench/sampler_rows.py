@@ -1,0 +1,65 @@
+"""Microbenchmark of a denoise step's sampler row pass at the real shape (256 rows of 262,144 fp32 logits): the
+torch ops of `engine.sampler.row_stats` and the sparse SC probabilities after them, against the Triton kernel
+`triton_sampler.row_stats` with the same SC step (given p_max). Each timing is a CUDA graph of 10 calls, the
+median of 20 replays, per call. Prints a line per candidate; `--out FILE` writes JSON.
+
+    python bench/sampler_rows.py [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from moe_kernels import time_graph  # noqa: E402
+
+from diffgemma.engine import sampler as S  # noqa: E402
+from diffgemma.kernels import triton_sampler as ts  # noqa: E402
+
+ROWS, VOCAB, TEMP = 256, 262144, 0.7
+
+
+def torch_pass(logits: torch.Tensor) -> torch.Tensor:
+    real = S.fast_ops.triton_sampler_for
+    S.fast_ops.triton_sampler_for = lambda x: None
+    try:
+        stats = S.row_stats(logits, TEMP)
+    finally:
+        S.fast_ops.triton_sampler_for = real
+    return S.sc_probs(stats.probs, True)
+
+
+def triton_pass(logits: torch.Tensor) -> torch.Tensor:
+    probs, _, _, p_max = ts.row_stats(logits, TEMP)
+    return S.sc_probs(probs, True, p_max)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    logits = 30 * torch.tanh(torch.randn(ROWS, VOCAB, device="cuda") * 0.2)
+    gb = ROWS * VOCAB * 4 / 1e9
+    res = {}
+    for name, fn in (("torch", torch_pass), ("triton", triton_pass)):
+        res[name] = us = time_graph(lambda f=fn: f(logits)) * 1e3
+        print(
+            f"{name:7s} row stats + sparse SC probs: {us:7.1f} us ({gb / (us * 1e-6):.0f} GB/s of logits)",
+            flush=True,
+        )
+    want, got = torch_pass(logits), triton_pass(logits)
+    res["max_abs_diff_sc"] = diff = float((want - got).abs().max())
+    print(f"max |diff| of the SC probabilities {diff:.3g}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), **res}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
