@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import statistics
 import time
 
 import torch
 
-from diffgemma.bench import REAL_CONFIG, fixed_steps_sampler, random_model
+from diffgemma.bench import REAL_CONFIG, fixed_steps_sampler, random_model, timed
 from diffgemma.engine.generate import generate
 from diffgemma.kernels import cuda as fast_ops
 
@@ -47,17 +48,8 @@ def step_median_ms(model, kv) -> float:
     """The graphed denoise step (SC probabilities given) at the cache's current length, median of 10."""
     canvas = torch.randint(0, model.cfg.vocab_size, (1, model.cfg.canvas_length))
     probs = torch.softmax(torch.randn(model.cfg.canvas_length, model.cfg.vocab_size, device="cuda"), -1)
-    for _ in range(3):
-        model.denoise(canvas, kv, sc_probs=probs)
-    ms = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        model.denoise(canvas, kv, sc_probs=probs)
-        b.record()
-        torch.cuda.synchronize()
-        ms.append(a.elapsed_time(b))
-    return sorted(ms)[len(ms) // 2]
+    ms = timed(lambda: model.denoise(canvas, kv, sc_probs=probs), torch.device("cuda"), 3, 10)
+    return statistics.median(ms)
 
 
 def main() -> None:

@@ -69,15 +69,6 @@ def _check_attn() -> None:
         ta.attention_splitkv(q, k[:, :1], v[:, :1])
 
 
-def test_attention_splitkv_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = "from tests.test_triton_attn_interpret import _check_attn; _check_attn()"
-    r = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-
-
 def _want_window(q: torch.Tensor, past: torch.Tensor, chunk: torch.Tensor, window: int) -> torch.Tensor:
     """float64 rows [T, H * d] of query t (position n + t) over the keys at n + t - window < p <= n + t."""
     _, h, t, d = q.shape
@@ -126,9 +117,11 @@ def _check_window() -> None:
         ta.attention_window_rows(q, past, chunk[:, :, 1:], w)
 
 
-def test_attention_window_rows_under_interpreter():
+@pytest.mark.parametrize("check", ["_check_attn", "_check_window"])
+def test_attention_kernels_under_interpreter(check: str):
+    """attention_splitkv (_check_attn) and attention_window_rows (_check_window) under the interpreter."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = "from tests.test_triton_attn_interpret import _check_window; _check_window()"
+    code = f"from tests.test_triton_attn_interpret import {check}; {check}()"
     r = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
