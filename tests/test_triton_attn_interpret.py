@@ -6,19 +6,12 @@ interpreter must be on before triton wraps a kernel, and it stays out of this py
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from tests.test_triton_interpret import _rel  # noqa: E402 - after the skip without triton
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.test_triton_interpret import _rel, run_under_interpreter  # noqa: E402 - after the skip without triton
 
 
 def _want(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -120,9 +113,4 @@ def _check_window() -> None:
 @pytest.mark.parametrize("check", ["_check_attn", "_check_window"])
 def test_attention_kernels_under_interpreter(check: str):
     """attention_splitkv (_check_attn) and attention_window_rows (_check_window) under the interpreter."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = f"from tests.test_triton_attn_interpret import {check}; {check}()"
-    r = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
+    run_under_interpreter("tests.test_triton_attn_interpret", check)

@@ -256,8 +256,13 @@ def _check_sampler() -> None:
     ["_check_moe", "_check_softmax", "_check_route", "_check_qkv", "_check_combine", "_check_sampler"],
 )
 def test_triton_kernels_under_interpreter(check: str):
+    run_under_interpreter("tests.test_triton_interpret", check)
+
+
+def run_under_interpreter(module: str, check: str) -> None:
+    """Call module.check() in a subprocess with TRITON_INTERPRET=1; fail with its output if it fails."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = f"from tests.test_triton_interpret import {check}; {check}()"
+    code = f"from {module} import {check}; {check}()"
     r = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
