@@ -206,15 +206,15 @@ class DiffusionGemma(nn.Module):
         canvas = self._check_ids(canvas_ids)[0]
         if sc_logits is not None:
             sc_probs = torch.softmax(sc_logits.reshape(canvas.shape[0], -1), dim=-1, dtype=torch.float32)
-        if self.is_fast and self.use_graphs and self.device.type == "cuda":
-            if not (sc_seed and sc_probs is None):
-                return self._denoise_graphed(canvas, kv, sc_probs)[None].clone()
-            # A block's first step (the SC seed) runs once per cache length: eager costs one forward, a graph
-            # its warm-up, capture and replay (bench/results/generate_overhead/).
-            out = self._denoise_forward(canvas, kv, sc_probs, sc_seed)[None]
+        graphs = self.is_fast and self.use_graphs and self.device.type == "cuda"
+        # A block's first step (the SC seed) runs once per cache length: eager costs one forward, a graph its
+        # warm-up, capture and replay (bench/results/generate_overhead/).
+        if graphs and not (sc_seed and sc_probs is None):
+            return self._denoise_graphed(canvas, kv, sc_probs)[None].clone()
+        out = self._denoise_forward(canvas, kv, sc_probs, sc_seed)[None]
+        if graphs:  # this length's compiles are done: its capture can skip the warm-up
             self._eager_at = (self._graph_key(kv), canvas.shape[0], self.is_fused)
-            return out
-        return self._denoise_forward(canvas, kv, sc_probs, sc_seed)[None]
+        return out
 
     def _denoise_forward(
         self, canvas: torch.Tensor, kv: KVCache, sc_probs: torch.Tensor | None, sc_seed: bool
