@@ -218,23 +218,38 @@ def _check_combine() -> None:
 
 def check_row_stats(logits: torch.Tensor, temp: float) -> None:
     """`triton_sampler.row_stats` against the sampler's torch ops (also run by tests/gpu): the same argmax, and
-    probabilities, entropies and top probabilities within a few fp32 ulps."""
+    probabilities, entropies and top probabilities within a few fp32 ulps; the sparse SC input equal to
+    `sampler.sc_probs` but at columns within rounding of its floor; the SC input written into a given buffer,
+    and without the dense probs when they are not asked for."""
     from diffgemma.engine import sampler as S
     from diffgemma.kernels import triton_sampler as ts
 
-    probs, entropy, argmax, p_max = ts.row_stats(logits, temp)
+    floor = S.SC_SPARSE_LOG_RATIO
+    probs, sc, entropy, argmax, p_max = ts.row_stats(logits, temp, floor)
     z = logits / temp
     logp = torch.log_softmax(z, dim=-1)
     want = logp.exp()
     assert torch.equal(argmax, want.max(-1).indices)
-    assert torch.equal(p_max, probs.max(-1).values)  # sc_probs' sparse floor takes p_max as the rows' max
+    assert torch.equal(p_max, probs.max(-1).values)
     torch.testing.assert_close(probs, want, rtol=2e-5, atol=1e-12)
     torch.testing.assert_close(entropy, -(want * logp).sum(-1), rtol=2e-5, atol=2e-6)
     torch.testing.assert_close(p_max, want.max(-1).values, rtol=2e-5, atol=0)
+    want_sc = S.sc_probs(want, True)
+    kept, want_kept = sc > 0, want_sc > 0
+    assert torch.equal(sc[kept], probs[kept]) and int(kept.sum()) > 0
+    at_floor = (z - z.max(-1, keepdim=True).values - floor).abs() < 1e-4 * z.abs().amax(-1, keepdim=True)
+    assert bool((at_floor | (kept == want_kept)).all())
+    dense_sc = ts.row_stats(logits, temp)[1]
+    assert torch.equal(dense_sc, probs)  # not sparse: sc is the probs
+    out = torch.full_like(logits, float("nan"))
+    no_probs, sc2, *_ = ts.row_stats(logits, temp, floor, need_probs=False, sc_out=out)
+    assert no_probs is None and sc2 is out and torch.equal(out, sc)
     if S.fast_ops.triton_sampler_for(logits) is None:
         return
-    stats = S.row_stats(logits, temp)  # the sampler's dispatch takes the kernel
-    assert torch.equal(stats.probs, probs) and torch.equal(stats.entropy, entropy)
+    stats = S.row_stats(logits, temp, sc_sparse=True)  # the sampler's dispatch takes the kernel
+    assert (
+        torch.equal(stats.probs, probs) and torch.equal(stats.sc, sc) and torch.equal(stats.entropy, entropy)
+    )
 
 
 def _check_sampler() -> None:

@@ -102,11 +102,10 @@ def denoise_block(
         remaining = n - i
         temp = S.temperature(cfg, remaining)
         if stats is not None:
-            sc = S.sc_probs(stats.probs, cfg.sc_sparse, stats.p_max)
-            logits = model.denoise(canvas[None], kv, sc_probs=sc)
+            logits = model.denoise(canvas[None], kv, sc_probs=stats.sc)
         else:
             logits = model.denoise(canvas[None], kv, sc_seed=cfg.first_step_sc_seed)
-        stats = S.row_stats(logits[0], temp)
+        stats = S.row_stats(logits[0], temp, cfg.sc_sparse, need_probs=uniforms is not None)
         mask = S.accept_mask(stats.entropy, cfg.entropy_bound)
         denoised = stats.argmax if uniforms is None else S.categorical(stats.probs, uniforms[i])
         canvas = torch.where(mask, denoised, noise[i + 1])  # renoise every non-accepted row

@@ -23,20 +23,30 @@ def temperature(cfg: SamplerConfig, remaining: int) -> float:
 
 @dataclass
 class RowStats:
-    probs: torch.Tensor  # [C, V] softmax(logits / T), fp32
+    probs: torch.Tensor | None  # [C, V] softmax(logits / T), fp32 (None when not asked for and sc is sparse)
+    sc: torch.Tensor  # [C, V] the next step's SC probabilities (`sc_probs` of probs)
     entropy: torch.Tensor  # [C] nats
     argmax: torch.Tensor  # [C]
     p_max: torch.Tensor  # [C]
 
 
-def row_stats(logits: torch.Tensor, temp: float) -> RowStats:
-    """Tempered softmax, entropy, argmax and top probability per canvas row. logits [C, V] fp32.
+def row_stats(
+    logits: torch.Tensor,
+    temp: float,
+    sc_sparse: bool = False,
+    need_probs: bool = True,
+    sc_out: torch.Tensor | None = None,
+) -> RowStats:
+    """Tempered softmax, entropy, argmax and top probability per canvas row, and the next step's SC
+    probabilities (sparse or not; written into `sc_out` when given). logits [C, V] fp32.
 
-    On CUDA one Triton kernel (`kernels.triton_sampler`), else (and after a Triton failure) the torch ops."""
+    On CUDA one Triton kernel (`kernels.triton_sampler`), which skips the dense probs when they are not needed
+    and sc is sparse; else (and after a Triton failure) the torch ops."""
     ts = fast_ops.triton_sampler_for(logits)
     if ts is not None:
         try:
-            return RowStats(*ts.row_stats(logits, temp))
+            floor = SC_SPARSE_LOG_RATIO if sc_sparse else None
+            return RowStats(*ts.row_stats(logits, temp, floor, need_probs, sc_out))
         except Exception as e:  # noqa: BLE001 - any failure: the torch ops from then on, loudly
             fast_ops.triton_failed("triton_sampler", e)
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temp
@@ -44,7 +54,10 @@ def row_stats(logits: torch.Tensor, temp: float) -> RowStats:
     probs = logp.exp()
     entropy = -(probs * logp).sum(-1)
     p_max, argmax = probs.max(-1)
-    return RowStats(probs, entropy, argmax, p_max)
+    sc = sc_probs(probs, sc_sparse, p_max)
+    if sc_out is not None:
+        sc = sc_out.copy_(sc)
+    return RowStats(probs, sc, entropy, argmax, p_max)
 
 
 def accept_mask(entropy: torch.Tensor, bound: float) -> torch.Tensor:

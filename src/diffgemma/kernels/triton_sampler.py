@@ -5,8 +5,10 @@ The torch ops make ~10 passes over the [C, V] fp32 logits (divide, log_softmax, 
 sum, max), 1 GB a denoise step at C = 256 and V = 262,144. Here one program owns a row and reads it twice.
 Pass 1 keeps per lane a running max m, the rescaled sum s of exp(z - m) and t of exp(z - m) * (z - m), and the
 first index of the lane's largest z; lanes are merged at the end. With S and T the row's sums at its max M,
-log p = (z - M) - log S (log_softmax's order of operations), the entropy is log S - T / S. Pass 2 writes p = exp((z - M) - log S) in fp32, and the top probability is
-the largest p written.
+log p = (z - M) - log S (log_softmax's order of operations), the entropy is log S - T / S. Pass 2 writes
+p = exp((z - M) - log S) in fp32 and/or the next step's sparse SC input (p where z - M >= the floor, i.e.
+p >= p_max * e^floor, else 0: the sampler's SC rule in log space, so a column within rounding of the floor can
+fall on the other side than in the torch ops), and the top probability is the largest p.
 
 z = logits * (1 / temp) with the reciprocal rounded to fp32 first: what torch computes for `logits / temp` on
 CUDA with a Python float divisor, so z matches it bit for bit and so does the argmax.
@@ -27,18 +29,24 @@ NUM_WARPS = 8
 def _row_stats_kernel(
     x_ptr,
     probs_ptr,
+    sc_ptr,
     entropy_ptr,
     argmax_ptr,
     p_max_ptr,
     n_cols,
     stride_x,
     stride_p,
+    stride_sc,
     inv_temp,
+    sc_log_floor,
     BLOCK: tl.constexpr,
+    WRITE_PROBS: tl.constexpr,
+    WRITE_SC: tl.constexpr,
 ):
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_x
     p_row = probs_ptr + row.to(tl.int64) * stride_p
+    sc_row = sc_ptr + row.to(tl.int64) * stride_sc
     cols = tl.arange(0, BLOCK)
     # A finite floor for m: a lane that has seen only masked columns rescales by exp(0) * 0, never inf - inf.
     m = tl.full((BLOCK,), -1.0e30, tl.float32)
@@ -76,39 +84,66 @@ def _row_stats_kernel(
         ok = start + cols < n_cols
         z = tl.load(x_row + start + cols, mask=ok, other=-float("inf")) * inv_temp
         p = tl.exp((z - m_row) - log_s)
-        tl.store(p_row + start + cols, p, mask=ok)
+        if WRITE_PROBS:
+            tl.store(p_row + start + cols, p, mask=ok)
+        if WRITE_SC:  # the sparse SC input: log p - log p_max = z - M >= the floor
+            tl.store(sc_row + start + cols, tl.where(z - m_row >= sc_log_floor, p, 0.0), mask=ok)
         p_max = tl.maximum(p_max, p)
         start += BLOCK
     tl.store(p_max_ptr + row, tl.max(p_max, axis=0))
 
 
 def row_stats(
-    logits: torch.Tensor, temp: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(probs [C, V] fp32, entropy [C], argmax [C] int64, p_max [C]) of softmax(logits / temp); logits [C, V]
-    fp32 with unit column stride."""
+    logits: torch.Tensor,
+    temp: float,
+    sc_log_floor: float | None = None,
+    need_probs: bool = True,
+    sc_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(probs [C, V] fp32, sc [C, V], entropy [C], argmax [C] int64, p_max [C]) of softmax(logits / temp); logits
+    [C, V] fp32 with unit column stride.
+
+    sc: the next step's SC probabilities: with `sc_log_floor`, p where log p >= log p_max + sc_log_floor and 0
+    elsewhere (written to `sc_out` when given), else the probs themselves. Without `need_probs` the dense probs
+    are not written when sc is sparse (probs is None)."""
     if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(
             f"row_stats wants [C, V] fp32 rows with unit stride, got {logits.dtype} {logits.stride()}"
         )
     c, v = logits.shape
     dev = logits.device
-    probs = torch.empty(c, v, device=dev, dtype=torch.float32)
+    sparse = sc_log_floor is not None
+    if sc_out is not None and (
+        sc_out.shape != (c, v) or sc_out.dtype != torch.float32 or sc_out.stride(1) != 1
+    ):
+        raise ValueError(
+            f"row_stats: sc_out must be [{c}, {v}] fp32 rows, got {sc_out.dtype} {tuple(sc_out.shape)}"
+        )
+    if sparse:
+        probs = torch.empty(c, v, device=dev, dtype=torch.float32) if need_probs else None
+        sc = torch.empty(c, v, device=dev, dtype=torch.float32) if sc_out is None else sc_out
+    else:  # sc is the probs
+        probs = sc = torch.empty(c, v, device=dev, dtype=torch.float32) if sc_out is None else sc_out
     entropy = torch.empty(c, device=dev, dtype=torch.float32)
     argmax = torch.empty(c, device=dev, dtype=torch.int64)
     p_max = torch.empty(c, device=dev, dtype=torch.float32)
     inv_temp = float(np.float32(1.0) / np.float32(temp))
     _row_stats_kernel[(c,)](
         logits,
-        probs,
+        sc if probs is None else probs,  # an unused pointer when not written
+        sc,
         entropy,
         argmax,
         p_max,
         v,
         logits.stride(0),
-        probs.stride(0),
+        sc.stride(0) if probs is None else probs.stride(0),
+        sc.stride(0),
         inv_temp,
+        0.0 if sc_log_floor is None else sc_log_floor,
         BLOCK=BLOCK,
+        WRITE_PROBS=probs is not None,
+        WRITE_SC=sparse,
         num_warps=NUM_WARPS,
     )
-    return probs, entropy, argmax, p_max
+    return probs, sc, entropy, argmax, p_max
