@@ -24,10 +24,13 @@ class FakeModel:
         self.sc: list[str] = []
         self.prefilled: list[list[int]] = []
 
-    def denoise(self, canvas, kv, sc_logits=None, *, sc_probs=None, sc_seed=False):
+    def denoise(self, canvas, kv, sc_logits=None, *, sc_probs=None, sc_seed=False, copy=True):
         self.canvases.append(canvas[0].tolist())
         self.sc.append("probs" if sc_probs is not None else "seed" if sc_seed else "none")
         return self.script(len(self.canvases) - 1, canvas[0]).float()[None]
+
+    def sc_input_buffer(self, kv, canvas_len):
+        return None  # no captured graph
 
     def prefill(self, ids, kv, compute_dtype=None):
         self.prefilled.append(ids[0].tolist())

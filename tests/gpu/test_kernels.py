@@ -117,6 +117,33 @@ def test_graphed_denoise_matches_eager(tmp_path, fuse):
     assert not any(r.failed for r in m.fused_regions.values())
 
 
+def test_generate_writes_sc_into_the_graph_buffer(tmp_path, monkeypatch):
+    """The sampler writes the next SC input straight into the captured graph's input buffer and reads the
+    graph's logits without a copy: the same ids as the copying path, over two blocks (two captures)."""
+    from diffgemma.bench import fixed_steps_sampler
+    from diffgemma.engine.generate import generate
+
+    m, _, _ = _tiny_bf16_model_with_prompt(tmp_path)
+    m.fast, m.fuse, m.use_graphs = True, True, True
+    prompt = list(range(3, 43))
+    cfg = fixed_steps_sampler(6)
+    used = []
+    real = m.sc_input_buffer
+
+    def buffer(kv, canvas_len):
+        out = real(kv, canvas_len)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(m, "sc_input_buffer", buffer)
+    ids = generate(m, prompt, m.new_cache(256), cfg, max_new_tokens=2 * m.cfg.canvas_length).token_ids
+    assert sum(used) >= 8, used  # steps 2-6 of each block
+    monkeypatch.setattr(m, "sc_input_buffer", lambda kv, canvas_len: None)
+    real_denoise = m.denoise
+    monkeypatch.setattr(m, "denoise", lambda *a, copy=True, **k: real_denoise(*a, copy=True, **k))
+    assert generate(m, prompt, m.new_cache(256), cfg, max_new_tokens=2 * m.cfg.canvas_length).token_ids == ids
+
+
 # -- fused (torch.compile'd) regions of the denoise layer: each pinned to its eager torch_ref self ------------
 
 

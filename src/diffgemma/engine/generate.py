@@ -101,11 +101,14 @@ def denoise_block(
             return None
         remaining = n - i
         temp = S.temperature(cfg, remaining)
+        # The logits are the graph's own buffer (copy=False), read here before the next step overwrites them;
+        # the next SC input goes straight into the graph's input buffer once there is one.
         if stats is not None:
-            logits = model.denoise(canvas[None], kv, sc_probs=stats.sc)
+            logits = model.denoise(canvas[None], kv, sc_probs=stats.sc, copy=False)
         else:
-            logits = model.denoise(canvas[None], kv, sc_seed=cfg.first_step_sc_seed)
-        stats = S.row_stats(logits[0], temp, cfg.sc_sparse, need_probs=uniforms is not None)
+            logits = model.denoise(canvas[None], kv, sc_seed=cfg.first_step_sc_seed, copy=False)
+        sc_out = model.sc_input_buffer(kv, canvas_len)
+        stats = S.row_stats(logits[0], temp, cfg.sc_sparse, need_probs=uniforms is not None, sc_out=sc_out)
         mask = S.accept_mask(stats.entropy, cfg.entropy_bound)
         denoised = stats.argmax if uniforms is None else S.categorical(stats.probs, uniforms[i])
         canvas = torch.where(mask, denoised, noise[i + 1])  # renoise every non-accepted row

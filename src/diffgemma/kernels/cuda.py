@@ -381,7 +381,7 @@ class GraphStep:
 
     def __call__(self, canvas: torch.Tensor, sc: torch.Tensor | None) -> torch.Tensor:
         self.canvas.copy_(canvas, non_blocking=True)
-        if self.sc is not None:
+        if self.sc is not None and sc is not self.sc:  # the sampler may have written it in place
             self.sc.copy_(sc, non_blocking=True)
         self.graph.replay()
         return self.out

@@ -197,11 +197,14 @@ class DiffusionGemma(nn.Module):
         *,
         sc_probs: torch.Tensor | None = None,
         sc_seed: bool = False,
+        copy: bool = True,
     ) -> torch.Tensor:
         """Logits [1, C, V] (fp32, softcapped) for a canvas [1, C] placed after the cache.
 
         Self-conditioning: `sc_logits` as transformers' `self_conditioning_logits` (probs = their softmax), or
         `sc_probs` already normalised, or `sc_seed` (the first-step seed: the canvas's own embedding), or none.
+        copy=False may return the captured graph's own output, which the next step overwrites (the sampler
+        loop reads it before).
         """
         canvas = self._check_ids(canvas_ids)[0]
         if sc_logits is not None:
@@ -210,7 +213,8 @@ class DiffusionGemma(nn.Module):
         # A block's first step (the SC seed) runs once per cache length: eager costs one forward, a graph its
         # warm-up, capture and replay (bench/results/generate_overhead/).
         if graphs and not (sc_seed and sc_probs is None):
-            return self._denoise_graphed(canvas, kv, sc_probs)[None].clone()
+            out = self._denoise_graphed(canvas, kv, sc_probs)[None]
+            return out.clone() if copy else out
         out = self._denoise_forward(canvas, kv, sc_probs, sc_seed)[None]
         if graphs:  # this length's compiles are done: its capture can skip the warm-up
             self._eager_at = (self._graph_key(kv), canvas.shape[0], self.is_fused)
@@ -247,6 +251,14 @@ class DiffusionGemma(nn.Module):
             self._graphs[mode] = step
             self._warm_modes.add(mode)
         return step(canvas, sc_probs)
+
+    def sc_input_buffer(self, kv: KVCache, canvas_len: int) -> torch.Tensor | None:
+        """The captured denoise graph's SC input for this cache and canvas length, if there is one: SC
+        probabilities written there are not copied in again by the next `denoise`."""
+        if self._graph_cache_key != self._graph_key(kv):
+            return None
+        step = self._graphs.get((canvas_len, True, self.is_fused))
+        return None if step is None else step.sc
 
     @staticmethod
     def _graph_key(kv: KVCache) -> tuple:
