@@ -84,13 +84,12 @@ def bench_qkv(regions: dict, hd: int, nkv: int, has_v: bool, rope: tuple, t: int
     }
 
 
-def bench_combine(regions: dict, n: int, weighted: bool) -> dict:
+def bench_combine(regions: dict, n: int) -> dict:
     k, hid, dt = 8, 2816, torch.bfloat16
     h, dense = torch.randn(n, hid, device=DEV).to(dt), torch.randn(n, hid, device=DEV).to(dt)
     w = torch.rand(n, k, device=DEV)
     slot = torch.randperm(n * k, device=DEV)
-    y = torch.randn(n * k, hid, device=DEV)
-    y = y if weighted else y.to(dt)
+    y = torch.randn(n * k, hid, device=DEV).to(dt)
     norms = [torch.ones(hid, device=DEV, dtype=dt) for _ in range(3)]
     args = (
         h,
@@ -103,14 +102,11 @@ def bench_combine(regions: dict, n: int, weighted: bool) -> dict:
         torch.ones(1, device=DEV, dtype=dt),
         norms[2],
         1e-6,
-        weighted,
     )
     region = time_graph(lambda: regions["post_ffn"](*args)) * 1e3
     kernel = time_graph(lambda: tc.post_ffn(*args)) * 1e3
-    print(
-        f"post_ffn n={n:5d} weighted={weighted}: region {region:7.1f} us, triton {kernel:7.1f} us", flush=True
-    )
-    return {"op": "post_ffn", "rows": n, "weighted": weighted, "region_us": region, "triton_us": kernel}
+    print(f"post_ffn n={n:5d}: region {region:7.1f} us, triton {kernel:7.1f} us", flush=True)
+    return {"op": "post_ffn", "rows": n, "region_us": region, "triton_us": kernel}
 
 
 def main() -> None:
@@ -118,7 +114,7 @@ def main() -> None:
     results = [bench_route(regions, n) for n in (256, 4096)]
     for kind in ((256, 8, True, (1e4, "default", 1.0)), (512, 2, False, (1e6, "proportional", 0.25))):
         results += [bench_qkv(regions, *kind, t) for t in (256, 4096)]
-    results += [bench_combine(regions, 256, True), bench_combine(regions, 4096, False)]
+    results += [bench_combine(regions, n) for n in (256, 4096)]
     out = os.environ.get("OUT")
     if out:
         doc = {"device": torch.cuda.get_device_name(), "results": results}

@@ -180,9 +180,8 @@ def _check_qkv() -> None:
 
 
 def _check_combine() -> None:
-    """`triton_combine.post_ffn` against the eager `fused.post_ffn`, both kinds of expert output (the Triton
-    kernels' weighted fp32 slots, the grouped GEMMs' sorted rows), with and without the next layer's norm; H not
-    a power of two. fp16: the interpreter rounds it as the GPU does, so the roundings are compared too."""
+    """`triton_combine.post_ffn` against the eager `fused.post_ffn`, with and without the next layer's norm; H
+    not a power of two. fp16: the interpreter rounds it as the GPU does, so the roundings are compared too."""
     from diffgemma.kernels import fused
     from diffgemma.kernels import triton_combine as tc
 
@@ -196,24 +195,19 @@ def _check_combine() -> None:
         slot[perm] = torch.arange(n * k)
         norms = [(1 + 0.3 * torch.randn(hid, generator=g)).to(dt) for _ in range(3)]
         scalar = torch.tensor([0.7]).to(dt)
-        for weighted in (True, False):
-            y = (
-                torch.randn(n * k, hid, generator=g)
-                if weighted
-                else torch.randn(n * k, hid, generator=g).to(dt)
-            )
-            for w_next in (norms[2], None):
-                args = (h, dense, y, slot, w, norms[0], norms[1], scalar, w_next, 1e-6, weighted)
-                want, got = fused.post_ffn(*args), tc.post_ffn(*args)
-                assert (got[1] is None) == (w_next is None)
-                for a, b in zip(got, want, strict=True):
-                    if b is None:
-                        continue
-                    assert a.dtype == b.dtype and a.shape == b.shape
-                    err = float((a.float() - b.float()).abs().max() / b.float().abs().max())
-                    assert err <= tol, (dt, weighted, err)
-                    exact = float((a == b).float().mean())  # a rounding skipped leaves ~20% unequal
-                    assert exact >= min_exact, (dt, weighted, exact)
+        y = torch.randn(n * k, hid, generator=g).to(dt)
+        for w_next in (norms[2], None):
+            args = (h, dense, y, slot, w, norms[0], norms[1], scalar, w_next, 1e-6)
+            want, got = fused.post_ffn(*args), tc.post_ffn(*args)
+            assert (got[1] is None) == (w_next is None)
+            for a, b in zip(got, want, strict=True):
+                if b is None:
+                    continue
+                assert a.dtype == b.dtype and a.shape == b.shape
+                err = float((a.float() - b.float()).abs().max() / b.float().abs().max())
+                assert err <= tol, (dt, err)
+                exact = float((a == b).float().mean())  # a rounding skipped leaves ~20% unequal
+                assert exact >= min_exact, (dt, exact)
 
 
 def check_row_stats(logits: torch.Tensor, temp: float) -> None:

@@ -129,23 +129,18 @@ def post_ffn(
     scalar: torch.Tensor,
     w_next: torch.Tensor | None,
     eps: float,
-    weighted: bool,
 ):
     """The weighted sum per row of the expert outputs (fp32), the last three norms, residual, layer scalar;
     and with `w_next` (the next layer's input_layernorm) that layer's normed input too, in the same kernels.
 
-    y is the grouped GEMMs' output in sorted pair order (pair (row, j) at slot[row * k + j]), or (`weighted`)
-    the Triton kernels' fp32 slots, already multiplied by the routing weights and in (row, j) order. Returns
-    (h, normed input or None)."""
+    y is the experts' output in sorted pair order (pair (row, j) at slot[row * k + j]), from the grouped GEMMs
+    or the Triton kernels alike. Returns (h, normed input or None)."""
     n, k = weights.shape
     # The k terms summed one by one: a pointwise kernel over [N, H] whose loads run along H. As a sum over
     # dim 1 of [N, k, H], inductor made a reduction that took 0.36 ms a layer for a 4,096-token prefill chunk,
     # 8x its read, after a 0.17 ms scatter (index_put) back to (row, j) order that the gather by slot replaces.
-    if weighted:
-        terms = [y.view(n, k, -1)[:, j] for j in range(k)]
-    else:
-        rows = slot.view(n, k)
-        terms = [y[rows[:, j]].float() * weights[:, j : j + 1].float() for j in range(k)]
+    rows = slot.view(n, k)
+    terms = [y[rows[:, j]].float() * weights[:, j : j + 1].float() for j in range(k)]
     moe = terms[0]
     for term in terms[1:]:
         moe = moe + term
@@ -197,11 +192,10 @@ def moe_layer_ffn(
         try:
             cfg = tm.CONFIGS[tm.DEFAULT_CONFIG]
             act = tm.gate_up_act(x2, gate_up, perm, bounds, top_k, cfg.gate_up)
-            y = tm.down_weighted(act, down, weights, perm, bounds, cfg.down)
+            y = tm.down_sorted(act, down, bounds, cfg.down)
         except Exception as e:  # noqa: BLE001 - any failure: the grouped GEMMs from then on, loudly
             cuda.triton_failed("triton_moe", e)
             y = None
-    weighted = y is not None
     if y is None:
         offs = bounds[1:]
         gu = _grouped_mm(x2[perm // top_k], gate_up.transpose(1, 2), offs=offs)
@@ -219,7 +213,6 @@ def moe_layer_ffn(
         p["layer_scalar"],
         next_norm,
         eps,
-        weighted,
     )
     h, x_next = _post_ffn(args, regions)
     return h if next_norm is None else (h, x_next)

@@ -40,7 +40,6 @@ def _post_ffn_kernel(
     K: tl.constexpr,
     H: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    WEIGHTED: tl.constexpr,
     HAS_NEXT: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -48,13 +47,10 @@ def _post_ffn_kernel(
     col_ok = cols < H
     dt = h_ptr.dtype.element_ty
     moe = tl.zeros((BLOCK_H,), tl.float32)
-    for j in tl.static_range(K):
-        if WEIGHTED:  # fp32 slots in (row, j) order, already weighted
-            term = tl.load(y_ptr + (row * K + j).to(tl.int64) * H + cols, mask=col_ok, other=0.0)
-        else:  # the grouped GEMMs' rows in expert-sorted order: gathered by slot, then weighted in fp32
-            src = tl.load(slot_ptr + row * K + j)
-            term = tl.load(y_ptr + src * H + cols, mask=col_ok, other=0.0).to(tl.float32)
-            term = term * tl.load(weights_ptr + row * K + j).to(tl.float32)
+    for j in tl.static_range(K):  # the experts' rows in sorted order: gathered by slot, weighted in fp32
+        src = tl.load(slot_ptr + row * K + j)
+        term = tl.load(y_ptr + src * H + cols, mask=col_ok, other=0.0).to(tl.float32)
+        term = term * tl.load(weights_ptr + row * K + j).to(tl.float32)
         moe = moe + term
     moe = moe.to(dt).to(tl.float32)
     moe = _rms(moe, w2_ptr, cols, col_ok, eps, H).to(dt).to(tl.float32)
@@ -81,7 +77,6 @@ def post_ffn(
     scalar: torch.Tensor,
     w_next: torch.Tensor | None,
     eps: float,
-    weighted: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`fused.post_ffn` (same arguments, same results) as one kernel. h, dense [N, H] contiguous in the
     activation dtype; y [N*k, H]; slot, weights [N, k] (or flat)."""
@@ -108,7 +103,6 @@ def post_ffn(
         K=k,
         H=hid,
         BLOCK_H=triton.next_power_of_2(hid),
-        WEIGHTED=weighted,
         HAS_NEXT=w_next is not None,
         **LAUNCH_OPTIONS,
     )

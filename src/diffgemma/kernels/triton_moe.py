@@ -10,10 +10,11 @@ BLOCK_M-pair tiles of e's segment (none if it is empty; with m_slots > 1 the exp
 in turn), gathers the x rows inside the kernel, accumulates gate (rows nb*BLOCK_N.. of gate_up[e]) and up
 (rows I + nb*BLOCK_N..) in fp32 over H, rounds both to the weight dtype as the grouped GEMM's output is, and
 stores gelu_tanh(gate) * up (rounded like the eager bf16 ops) to `act` [N*k, I] in sorted order. Kernel 2,
-grid (E * m_slots, cdiv(H, BLOCK_N)): act @ down[e][cols].T, rounded to the weight dtype, times the routing
-weight in fp32, stored to `slots` [N*k, H] fp32 at the pair's ORIGINAL (row, j) index; the k slots of a row
-are summed in torch afterwards: deterministic (no atomics), and the same rounding sequence as the grouped
-path. H and I are compile-time constants (one compile per model shape). Tile sizes come from a fixed table
+grid (E * m_slots, cdiv(H, BLOCK_N)): act @ down[e][cols].T, rounded to the weight dtype, stored to `y`
+[N*k, H] in sorted order, as the grouped GEMM's output is; the combine (`fused.post_ffn`) weights each row's
+k outputs in fp32 and sums them: deterministic (no atomics), and the same rounding sequence as the grouped
+path. (Kernel 2 used to weight its outputs and store them in fp32 in (row, j) order: twice the bytes written
+and read back.) H and I are compile-time constants (one compile per model shape). Tile sizes come from a fixed table
 (`CONFIGS`, chosen by `DEFAULT_CONFIG`), never autotuned at run time: the step is captured in a CUDA graph.
 `bench/moe_kernels.py` times the candidates.
 """
@@ -167,17 +168,15 @@ def _gate_up_kernel(
 def _down_kernel(
     act_ptr,
     dn_ptr,
-    w_ptr,
-    perm_ptr,
     bounds_ptr,
-    slots_ptr,
+    y_ptr,
     stride_an,
     stride_ai,
     stride_de,
     stride_dh,
     stride_di,
-    stride_sn,
-    stride_sh,
+    stride_yn,
+    stride_yh,
     BLOCK_M: tl.constexpr,
     M_SLOTS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -215,11 +214,8 @@ def _down_kernel(
             acc = _mma(a, w, acc, SWAP_AB, UPCAST_DOT)
         if SWAP_AB:
             acc = tl.trans(acc)
-        src = tl.load(perm_ptr + pos, mask=row_ok, other=0)  # the pair's index in the flat [N*k] order
-        route_w = tl.load(w_ptr + src, mask=row_ok, other=0.0).to(tl.float32)
-        y = acc.to(wdt).to(tl.float32) * route_w[:, None]
-        dst = slots_ptr + src[:, None] * stride_sn + cols[None, :] * stride_sh
-        tl.store(dst, y, mask=row_ok[:, None] & col_ok[None, :])
+        dst = y_ptr + pos[:, None] * stride_yn + cols[None, :] * stride_yh
+        tl.store(dst, acc.to(wdt), mask=row_ok[:, None] & col_ok[None, :])
         m0 += M_SLOTS * BLOCK_M
 
 
@@ -275,32 +271,22 @@ def gate_up_act(
     return act
 
 
-def down_weighted(
-    act: torch.Tensor,
-    down: torch.Tensor,
-    weights: torch.Tensor,
-    perm: torch.Tensor,
-    bounds: torch.Tensor,
-    tiles: Tiles,
-) -> torch.Tensor:
-    """Kernel 2: slots [N*k, H] fp32 in the original (row, j) order = weight * (act @ down[e].T)."""
+def down_sorted(act: torch.Tensor, down: torch.Tensor, bounds: torch.Tensor, tiles: Tiles) -> torch.Tensor:
+    """Kernel 2: y [N*k, H] (weight dtype, sorted pair order) = act @ down[e].T."""
     n_exp, h, inter = down.shape
-    flat_w = weights.reshape(-1).float()
-    slots = torch.empty(perm.shape[0], h, device=act.device, dtype=torch.float32)
+    y = torch.empty(act.shape[0], h, device=act.device, dtype=down.dtype)
     grid = (n_exp * tiles.m_slots, triton.cdiv(h, tiles.block_n))
     _down_kernel[grid](
         act,
         down,
-        flat_w,
-        perm,
         bounds,
-        slots,
+        y,
         *act.stride(),
         *down.stride(),
-        *slots.stride(),
+        *y.stride(),
         **_launch_options(tiles, h, inter),
     )
-    return slots
+    return y
 
 
 def moe_experts_triton(
@@ -317,5 +303,8 @@ def moe_experts_triton(
     n, k = ids.shape
     perm, bounds = sort_pairs(ids, gate_up.shape[0])
     act = gate_up_act(x, gate_up, perm, bounds, k, cfg.gate_up)
-    slots = down_weighted(act, down, weights, perm, bounds, cfg.down)
-    return slots.view(n, k, -1).sum(1).to(x.dtype)
+    y = down_sorted(act, down, bounds, cfg.down)
+    slot = torch.empty_like(perm)
+    slot[perm] = torch.arange(perm.numel(), device=perm.device)  # pair (row, j)'s sorted position
+    terms = y[slot].view(n, k, -1).float() * weights.reshape(n, k, 1).float()
+    return terms.sum(1).to(x.dtype)
