@@ -44,7 +44,7 @@ def _combine_ptx(options: dict) -> str:
     sig.update(slot_ptr="*i64", weights_ptr="*fp32")
     sig.update(dict.fromkeys(("w2_ptr", "w1_ptr", "scalar_ptr", "wn_ptr", "h_out_ptr", "x_out_ptr"), "*bf16"))
     sig.update(eps="fp32")
-    consts = {"K": 8, "H": 2816, "BLOCK_H": 4096, "WEIGHTED": False, "HAS_NEXT": True}
+    consts = {"K": 8, "H": 2816, "BLOCK_H": 4096, "HAS_NEXT": True}
     return _ptx(tc._post_ffn_kernel, sig, consts, options)
 
 
