@@ -53,6 +53,7 @@ def test_fused_prefill_matches_unfused_and_compiles_once_for_all_lengths(tiny_a)
     # two chunks of different lengths (23, then 12): past keys in the second, the ring wraps (window 8)
     plain.prefill(prompt[:, :23], kv_plain)
     fused.prefill(prompt[:, :23], kv_fused)
+    assert list(fused._prefill_graphs) == [256]  # into an empty cache: padded to 256 (eager on the CPU)
     regions = fused.prefill_regions
     variants = {name: len(r._seen) for name, r in regions.items()}
     assert all(variants.values()), variants  # every prefill region was called (compiled)

@@ -89,10 +89,11 @@ def triton_qkv_for(x: torch.Tensor, head_dim: int):
 
 
 def triton_attn_for(q: torch.Tensor):
-    """kernels.triton_attn when its kernels suit this call (CUDA, a power-of-two head_dim of at least 16, no
-    earlier failure), else None."""
+    """kernels.triton_attn when its kernels suit this call (CUDA, 16-bit, a power-of-two head_dim of at least
+    16, no earlier failure), else None. Their tiles are sized for 16-bit operands: fp32 ones (a short prompt's
+    prefill) ask for more shared memory than an H200 has, and a failure would switch the module off."""
     d = q.shape[-1]
-    if not (q.is_cuda and d >= 16 and d & (d - 1) == 0):
+    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and d >= 16 and d & (d - 1) == 0):
         return None
     return _triton_kernels("triton_attn")
 
@@ -357,30 +358,31 @@ def attention_causal_scores(
     return out.view(t, h * d)
 
 
-# -- CUDA graph for the denoise step -------------------------------------------------------------------
+# -- CUDA graphs for the denoise step and the padded prefill ---------------------------------------------
 
 
 class GraphStep:
-    """One captured denoise forward for a fixed (cache, cache length, canvas length, SC mode).
+    """One captured forward over static token ids (and SC input): a denoise step for a fixed (cache, cache
+    length, canvas length, SC mode), or a padded prefill into a staging cache for a fixed token count.
 
-    Inputs are copied into static buffers; the output is the graph's static logits (callers clone)."""
+    Inputs are copied into static buffers; the output is the graph's static output (callers clone)."""
 
-    def __init__(self, fn, canvas: torch.Tensor, sc: torch.Tensor | None, pool, warm_up: bool = True):
-        self.canvas = canvas.clone()
+    def __init__(self, fn, ids: torch.Tensor, sc: torch.Tensor | None, pool, warm_up: bool = True):
+        self.ids = ids.clone()
         self.sc = None if sc is None else sc.clone()
         self.fn = fn
         if warm_up:  # outside capture: compiles, cuBLAS handles, SDPA workspaces
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                fn(self.canvas, self.sc)
+                fn(self.ids, self.sc)
             torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.out = fn(self.canvas, self.sc)
+            self.out = fn(self.ids, self.sc)
 
-    def __call__(self, canvas: torch.Tensor, sc: torch.Tensor | None) -> torch.Tensor:
-        self.canvas.copy_(canvas, non_blocking=True)
+    def __call__(self, ids: torch.Tensor, sc: torch.Tensor | None) -> torch.Tensor:
+        self.ids.copy_(ids, non_blocking=True)
         if self.sc is not None and sc is not self.sc:  # the sampler may have written it in place
             self.sc.copy_(sc, non_blocking=True)
         self.graph.replay()

@@ -22,6 +22,12 @@ from diffgemma.model.kv_cache import KVCache
 # Prefill tokens a pass: on an H200 at the real shape, an 8k prompt in chunks of 4096 ran at 45.8k tok/s, in
 # chunks of 2048 at 35.1k (bench/results/README.md). `diffgemma bench` measures with this too.
 PREFILL_CHUNK = 4096
+# A prompt of up to PREFILL_GRAPH_MAX tokens into an empty cache is padded to a multiple of PREFILL_GRAPH_BUCKET
+# and, on CUDA, replayed as a CUDA graph: eagerly, its ~950 launches bound it by the host (1,024 tokens on an
+# H200: 57.6 ms wall for 25.8 ms of kernels; at 4,096 the kernels take longer than the host, 69 ms of 75).
+# Measured in bench/results/prefill_host/.
+PREFILL_GRAPH_MAX = 2048
+PREFILL_GRAPH_BUCKET = 256
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -141,6 +147,11 @@ class DiffusionGemma(nn.Module):
         self._graph_cache_key: tuple | None = None
         self._warm_modes: set = set()  # graph modes captured once with a warm-up
         self._eager_at: tuple | None = None  # (cache key, canvas length, fused) of the last eager seed step
+        self._prefill_graphs: dict[int, fast_ops.GraphStep | None] = {}  # bucket -> graph (None: ran eagerly)
+        self._prefill_stage: KVCache | None = (
+            None  # where a padded prefill writes its K/V (`_prefill_padded`)
+        )
+        self._prefill_pool = None  # one memory pool for those graphs: none keeps a live output in it
 
     # -- public API ------------------------------------------------------------------------
 
@@ -184,9 +195,51 @@ class DiffusionGemma(nn.Module):
             raise ValueError(
                 f"prompt does not fit: {kv.length} cached + {ids.shape[1]} new > {kv.max_tokens}"
             )
-        for s in range(0, ids.shape[1], chunk):
+        t, dtype = ids.shape[1], compute_dtype or self.dtype
+        if (
+            kv.length == 0
+            and 0 < t <= min(chunk, PREFILL_GRAPH_MAX)
+            and self.is_fused
+            and dtype == self.dtype
+        ):
+            self._prefill_padded(ids[0], kv)
+            return
+        for s in range(0, t, chunk):
             part = ids[:, s : s + chunk]
-            self._encode(part[0], kv, compute_dtype or self.dtype)
+            self._encode(part[0], kv, dtype)
+
+    def _prefill_padded(self, ids: torch.Tensor, kv: KVCache) -> None:
+        """ids [T] into the empty cache `kv`, encoded padded with pad tokens to a multiple of
+        PREFILL_GRAPH_BUCKET (causal attention: no prompt row sees them) into a staging cache, whose first T
+        positions are then copied into `kv`. On CUDA a bucket's second prompt captures a graph that the later
+        ones replay; its first runs eagerly, and so compiles what the capture needs."""
+        t = ids.shape[0]
+        tb = -(-t // PREFILL_GRAPH_BUCKET) * PREFILL_GRAPH_BUCKET
+        padded = F.pad(ids, (0, tb - t), value=self.cfg.pad_token_id or 0)
+        if self._prefill_stage is None:  # a ring as long as the cache: every layer keeps positions in order
+            self._prefill_stage = self.new_cache(PREFILL_GRAPH_MAX, ring_size=PREFILL_GRAPH_MAX)
+        stage = self._prefill_stage
+        stage.reset()
+        step = self._prefill_graphs.get(tb)
+        if step is None and tb in self._prefill_graphs and self.use_graphs and self.device.type == "cuda":
+            if self._prefill_pool is None:
+                self._prefill_pool = torch.cuda.graph_pool_handle()
+            step = fast_ops.GraphStep(
+                lambda i, _: self._encode(i, stage, self.dtype),
+                padded,
+                None,
+                self._prefill_pool,
+                warm_up=False,
+            )
+            self._prefill_graphs[tb] = step
+        if step is not None:
+            step(padded, None)
+        else:
+            self._encode(padded, stage, self.dtype)
+            self._prefill_graphs[tb] = None
+        for layer in self.layers:
+            kv.write(layer.idx, 0, stage.kv[layer.idx][:, :, :t])
+        kv.length = t
 
     @torch.no_grad()
     def denoise(
