@@ -15,14 +15,21 @@ class FakeKV:
 
 
 class FakeModel:
-    def __init__(self, vocab: int, canvas: int, script: Callable[[int, torch.Tensor], torch.Tensor]):
+    def __init__(
+        self,
+        vocab: int,
+        canvas: int,
+        script: Callable[[int, torch.Tensor], torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+    ):
         self.cfg = SimpleNamespace(vocab_size=vocab, canvas_length=canvas)
         self.device = torch.device("cpu")
-        self.dtype = torch.float32
+        self.dtype = dtype
         self.script = script
         self.canvases: list[list[int]] = []
         self.sc: list[str] = []
         self.prefilled: list[list[int]] = []
+        self.prefill_dtypes: list[torch.dtype | None] = []
 
     def denoise(self, canvas, kv, sc_logits=None, *, sc_probs=None, sc_seed=False, copy=True):
         self.canvases.append(canvas[0].tolist())
@@ -34,6 +41,7 @@ class FakeModel:
 
     def prefill(self, ids, kv, compute_dtype=None):
         self.prefilled.append(ids[0].tolist())
+        self.prefill_dtypes.append(compute_dtype)
         kv.length += ids.shape[1]
 
 

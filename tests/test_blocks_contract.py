@@ -41,6 +41,18 @@ def test_blocks_commit_prefill_and_start_a_fresh_canvas():
     assert starts[0] != starts[1] != starts[2]  # each block draws new noise
 
 
+def test_only_a_short_prompt_into_an_empty_cache_prefills_in_fp32():
+    # seed rule 7: the whole prompt, if short; committed blocks and later turns extend the cache in bf16
+    model = FakeModel(V, C, lambda i, c: sure([20] * C), dtype=torch.bfloat16)
+    kv = FakeKV()
+    generate(model, [5, 6], kv, CFG, seed=1, max_new_tokens=3 * C)
+    generate(model, [7, 8], kv, CFG, seed=1, max_new_tokens=C)  # a second turn on the same cache
+    assert model.prefill_dtypes == [torch.float32, None, None, None]
+    model = FakeModel(V, C, lambda i, c: sure([20] * C), dtype=torch.bfloat16)
+    generate(model, list(range(3, 3 + 257)), FakeKV(), CFG, seed=1, max_new_tokens=C)
+    assert model.prefill_dtypes == [None]  # longer than prefill_f32_max_tokens (256)
+
+
 def test_max_new_tokens_truncates_the_last_block():
     model = FakeModel(V, C, lambda i, c: sure([30] * C))
     out = generate(model, [5], FakeKV(), CFG, seed=1, max_new_tokens=C + 5)

@@ -136,11 +136,9 @@ def _prefill(model: DiffusionGemma, ids: list[int], kv: KVCache, cfg: SamplerCon
     if not ids:
         return
     t = torch.tensor([ids], dtype=torch.long)
-    f32 = (
-        cfg.prefill_f32_max_tokens > 0
-        and len(ids) <= cfg.prefill_f32_max_tokens
-        and model.dtype != torch.float32
-    )
+    # Seed rule 7: a whole prompt of up to prefill_f32_max_tokens, into an empty cache, prefills with fp32
+    # activations; what extends a cache (a later turn, a committed block) takes the model-dtype path.
+    f32 = kv.length == 0 and 0 < len(ids) <= cfg.prefill_f32_max_tokens and model.dtype != torch.float32
     model.prefill(t, kv, compute_dtype=torch.float32 if f32 else None)
 
 
