@@ -4,8 +4,9 @@ weights, transformers' init): a 1k prompt, then 4 blocks of 256 tokens at 48 fix
 seconds `generate` reports, the CUDA-graph captures (count and seconds, timed around `GraphStep`), the graphed
 step's CUDA-event median at the final length, and the denoise time left over per block after steps x median.
 The generated ids' hash tells two versions' outputs apart. Runs from the source tree on PYTHONPATH.
+`--prompt 200 --f32-max 256` is a short chat turn under the default sampler's fp32 rule for short prompts.
 
-    PYTHONPATH=src python bench/generate_overhead.py [--out FILE]
+    PYTHONPATH=src python bench/generate_overhead.py [--out FILE] [--prompt N] [--f32-max N]
 """
 
 from __future__ import annotations
@@ -55,14 +56,21 @@ def step_median_ms(model, kv) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens")
+    ap.add_argument(
+        "--f32-max",
+        type=int,
+        default=0,
+        help="the sampler's prefill_f32_max_tokens (its default is 256; the bench's fixed-step sampler 0)",
+    )
     args = ap.parse_args()
     model = random_model(REAL_CONFIG, "cuda", torch.bfloat16, init="hf")
     canvas = model.cfg.canvas_length
-    kv = model.new_cache(PROMPT + (BLOCKS + 1) * canvas)
+    kv = model.new_cache(args.prompt + (BLOCKS + 1) * canvas)
     prompt = torch.randint(
-        0, model.cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(0)
+        0, model.cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(0)
     ).tolist()
-    sampler = fixed_steps_sampler(STEPS)
+    sampler = fixed_steps_sampler(STEPS).replace(prefill_f32_max_tokens=args.f32_max)
     captures = Captures()
     runs = []
     for r in range(RUNS):  # run 0 warms up (compiles)
@@ -103,7 +111,8 @@ def main() -> None:
     if args.out:
         doc = {
             "device": torch.cuda.get_device_name(),
-            "setup": f"prompt {PROMPT}, {BLOCKS} blocks of {canvas}, {STEPS} fixed steps",
+            "setup": f"prompt {args.prompt}, {BLOCKS} blocks of {canvas}, {STEPS} fixed steps, "
+            f"prefill_f32_max_tokens {args.f32_max}",
             "runs": runs,
             "step_ms": ms,
             "median_wall_s": wall,

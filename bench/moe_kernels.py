@@ -159,7 +159,7 @@ def bench_sweep(gate_up, down, x, g, only: str | None = None) -> list[dict]:
     act = tm.gate_up_act(x, gate_up, perm, bounds, K, tm.Tiles())
     kernels = {
         "gate_up": (gate_up.numel() * 2, lambda t: tm.gate_up_act(x, gate_up, perm, bounds, K, t)),
-        "down": (down.numel() * 2, lambda t: tm.down_weighted(act, down, w, perm, bounds, t)),
+        "down": (down.numel() * 2, lambda t: tm.down_sorted(act, down, bounds, t)),
     }
     rows = []
     tiles = sweep_tiles()
