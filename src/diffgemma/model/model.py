@@ -148,9 +148,7 @@ class DiffusionGemma(nn.Module):
         self._warm_modes: set = set()  # graph modes captured once with a warm-up
         self._eager_at: tuple | None = None  # (cache key, canvas length, fused) of the last eager seed step
         self._prefill_graphs: dict[int, fast_ops.GraphStep | None] = {}  # bucket -> graph (None: ran eagerly)
-        self._prefill_stage: KVCache | None = (
-            None  # where a padded prefill writes its K/V (`_prefill_padded`)
-        )
+        self._prefill_stage: KVCache | None = None  # where `_prefill_padded` writes K/V
         self._prefill_pool = None  # one memory pool for those graphs: none keeps a live output in it
 
     # -- public API ------------------------------------------------------------------------
@@ -212,7 +210,8 @@ class DiffusionGemma(nn.Module):
         """ids [T] into the empty cache `kv`, encoded padded with pad tokens to a multiple of
         PREFILL_GRAPH_BUCKET (causal attention: no prompt row sees them) into a staging cache, whose first T
         positions are then copied into `kv`. On CUDA a bucket's second prompt captures a graph that the later
-        ones replay; its first runs eagerly, and so compiles what the capture needs."""
+        ones replay; its first runs eagerly, and so compiles what the capture needs. Eager or replayed, the
+        shapes are the bucket's: a prompt leaves the same cache either way."""
         t = ids.shape[0]
         tb = -(-t // PREFILL_GRAPH_BUCKET) * PREFILL_GRAPH_BUCKET
         padded = F.pad(ids, (0, tb - t), value=self.cfg.pad_token_id or 0)
