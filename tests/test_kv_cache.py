@@ -94,11 +94,21 @@ def test_ring_read_and_read_with_across_wraps_and_rewinds(tiny_a, max_tokens, ri
             assert torch.equal(k, want_k) and torch.equal(v, -want_k)
             for n in (c, c // 2, c + 3):  # the canvas's room, less, and more (concatenated instead)
                 ck, cv = _pos_kv(cfg, i, 10_000, n, 0.5)
-                for keys, vals in (kv.read_with(i, ck, cv), kv.read_with_kv(i, torch.cat([ck, cv]))):
-                    assert torch.equal(keys, torch.cat([want_k, ck], 2))
-                    assert torch.equal(vals, torch.cat([-want_k, cv], 2))
-                    base = kv.kv[i].untyped_storage().data_ptr()
-                    assert (keys.untyped_storage().data_ptr() == base) == (n <= c)
+                keys, vals = kv.read_with(i, ck, cv)
+                assert torch.equal(keys, torch.cat([want_k, ck], 2))
+                assert torch.equal(vals, torch.cat([-want_k, cv], 2))
+                base = kv.kv[i].untyped_storage().data_ptr()
+                assert (keys.untyped_storage().data_ptr() == base) == (n <= c)
+                if (
+                    n <= c
+                ):  # the same slots as the fused denoise reads them from the device (`denoise_geometry`)
+                    length, first, count, canvas_slot, full_count = kv.denoise_geometry(n)
+                    assert length == kv.length and full_count == kv.length + n
+                    if cfg.is_sliding(i):
+                        assert count <= kv.denoise_key_slots(n) and canvas_slot == first + count - n
+                        assert torch.equal(kv.kv[i][0:1, :, first : first + count], keys)
+                    else:
+                        assert torch.equal(kv.kv[i][0:1, :, :full_count], keys)
         assert kv.fingerprint() == fp[kv.length]
         for end in range(kv.length + 1):  # every window a rewind may still reach, after the canvases
             if kv.can_truncate(end):

@@ -48,6 +48,18 @@ def _check_attn() -> None:
     with pytest.raises(ValueError, match="out must be"):
         ta.attention_splitkv(q, k, v, out=rows[:5].view(5, hkv, 4, d).permute(1, 2, 0, 3))
 
+    # span: the keys read on the device from a slot range of the whole cache, tiled for at most n_max keys
+    both = cache[:, :, None]  # [2, Hkv, 1, slots, d]: k and v as [1, Hkv, slots, d] views of the cache
+    for first, count, n_max in ((3, s, s), (0, 37, s), (5, 290, s + 2)):
+        span = (torch.tensor([first, count], dtype=torch.int32), n_max)
+        got = ta.attention_splitkv(
+            q, both[0, :, 0][None], both[1, :, 0][None], 3, block_m=16, block_n=32, span=span
+        )
+        want_span = _want(q, cache[:1, :, first : first + count], cache[1:, :, first : first + count])
+        assert _rel(got, want_span) < 1e-5, (first, count, _rel(got, want_span))
+    with pytest.raises(ValueError, match="span must be"):
+        ta.attention_splitkv(q, k, v, span=(torch.tensor([0, 4]), 4))
+
     q16, k16, v16 = (t.half() for t in (q, k, v))
     got = ta.attention_splitkv(q16, k16, v16, 3, block_m=16, block_n=32)
     assert got.dtype == torch.float16 and _rel(got, _want(q16, k16, v16)) < 2e-3, _rel(

@@ -89,8 +89,24 @@ def _check_softmax() -> None:
         got = ts.softmax_rows(x, torch.float32, (base, period))
         assert float((got.double() - want).abs().max()) < 1e-6, (n_cols, base, period)
         assert bool((got.masked_select(~keep.expand_as(got)) == 0).all())  # exact zeros past the limit
+    # a device-side count of valid columns (the denoise graph's keys), alone and under a causal limit
+    for n_cols, n_valid, causal in (
+        (700, 300, None),
+        (2 * ts.BLOCK + 5, ts.BLOCK + 1, None),
+        (40, 20, (15, 4)),
+    ):
+        x = torch.randn(2, 8, n_cols, generator=g) * 8
+        keep = torch.arange(n_cols)[None, :] < n_valid
+        if causal is not None:
+            keep = keep & (torch.arange(n_cols)[None, :] < causal[0] + torch.arange(8)[:, None] % causal[1])
+        want = torch.softmax(x.double().masked_fill(~keep, float("-inf")), dim=-1)
+        got = ts.softmax_rows(x, torch.float32, causal, valid=torch.tensor([n_valid], dtype=torch.int32))
+        assert float((got.double() - want).abs().max()) < 1e-6, (n_cols, n_valid, causal)
+        assert bool((got.masked_select(~keep.expand_as(got)) == 0).all())
     with pytest.raises(ValueError, match="fp32 rows"):
         ts.softmax_rows(torch.zeros(2, 4, dtype=torch.float64), torch.float32)
+    with pytest.raises(ValueError, match="one int32"):
+        ts.softmax_rows(torch.zeros(2, 4), torch.float32, valid=torch.tensor([2]))
 
 
 def check_route_sort(logits: torch.Tensor, pes: torch.Tensor, k: int) -> None:
@@ -171,6 +187,16 @@ def check_norm_rope(dtype: torch.dtype, device: str, t: int, tol: float, min_exa
                 exact = float((a == b).float().mean())
                 assert exact >= min_exact, (hd, exact)
         assert float(cache[:, :, :4].abs().max()) == 0 and float(cache[:, :, 4 + t :].abs().max()) == 0
+        # the slot read on the device: the whole buffer in, K/V at slots 6.. (a CUDA graph's, any cache length)
+        cache.zero_()
+        slot = torch.tensor([6], dtype=torch.int32, device=device)
+        _, kv = tq.norm_rope(qkv, nq, nkv, has_v, cos, sin, qn, kn, 1e-6, cache[:, :, 1:], kv_slot=slot)
+        assert kv.data_ptr() == cache[:, :, 1:].data_ptr()
+        err = float(
+            (cache[:, :, 7 : 7 + t].float() - want[1].float()).abs().max() / want[1].float().abs().max()
+        )
+        assert err <= tol, (hd, err)
+        assert float(cache[:, :, :7].abs().max()) == 0 and float(cache[:, :, 7 + t :].abs().max()) == 0
 
 
 def _check_qkv() -> None:

@@ -30,10 +30,10 @@ def _norm_rope_ptx(options: dict) -> str:
     from diffgemma.kernels import triton_qkv as tq
 
     ptrs = ("qkv_ptr", "cos_ptr", "sin_ptr", "q_norm_ptr", "k_norm_ptr", "q_ptr", "kv_ptr")
-    sig = {**dict.fromkeys(ptrs, "*bf16"), "T": "i32", "eps": "fp32"}
+    sig = {**dict.fromkeys(ptrs, "*bf16"), "slot_ptr": "*i32", "T": "i32", "eps": "fp32"}
     sig.update(dict.fromkeys(("stride_t", "stride_ct", "stride_qh", "stride_qt"), "i32"))
     sig.update(dict.fromkeys(("stride_kv2", "stride_kvh", "stride_kvt"), "i32"))
-    consts = {"NQ": 16, "NKV": 8, "HAS_V": True, "D": 256, "BLOCK_T": tq.BLOCK_T}
+    consts = {"NQ": 16, "NKV": 8, "HAS_V": True, "D": 256, "BLOCK_T": tq.BLOCK_T, "HAS_SLOT": True}
     return _ptx(tq._norm_rope_kernel, sig, consts, options)
 
 
@@ -64,3 +64,25 @@ def test_combine_has_no_fused_multiply_add():
 
     assert re.search(r"\bfma\.", _combine_ptx({**tc.LAUNCH_OPTIONS, "enable_fp_fusion": True}))
     assert not re.search(r"\bfma\.", _combine_ptx(tc.LAUNCH_OPTIONS))
+
+
+def test_device_length_kernels_compile_for_sm90():
+    # the length-independent denoise graph's kernels, with their lengths read on the device: the split-KV
+    # attention (on the tensor cores) and the row softmax; a kernel that fails to compile on the GPU switches
+    # its module off for the process, so the compile is checked here first
+    from diffgemma.kernels import triton_attn as ta
+    from diffgemma.kernels import triton_softmax as ts
+
+    ptrs = ("q_ptr", "k_ptr", "v_ptr")
+    sig = {**dict.fromkeys(ptrs, "*bf16"), **dict.fromkeys(("acc_ptr", "max_ptr", "sum_ptr"), "*fp32")}
+    sig.update(span_ptr="*i32", M="i32", S="i32")
+    sig.update(
+        dict.fromkeys(("stride_qh", "stride_qm", "stride_kh", "stride_kn", "stride_vh", "stride_vn"), "i32")
+    )
+    consts = {"D": 256, "BLOCK_M": 64, "BLOCK_N": 64, "SPLIT_BLOCKS": 10, "HAS_SPAN": True}
+    ptx = _ptx(ta._splitkv_kernel, sig, consts, {"num_warps": 4, "num_stages": 3})
+    assert re.search(r"mma\S*\.bf16\.bf16", ptx)
+    sig = {"x_ptr": "*fp32", "y_ptr": "*bf16", "valid_ptr": "*i32"}
+    sig.update(dict.fromkeys(("n_cols", "stride_x", "stride_y", "base", "period"), "i32"))
+    ptx = _ptx(ts._softmax_rows_kernel, sig, {"BLOCK": 2048, "HAS_VALID": True}, {"num_warps": 8})
+    assert re.search(r"ex2\.approx", ptx)  # the exponentials, on the fast path

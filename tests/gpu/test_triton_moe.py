@@ -118,22 +118,20 @@ def test_fused_graphed_denoise_matches_fused_eager_across_ring_wraps(tmp_path, m
     """bf16: the graphed fused step (one [q; k; v] GEMM, one [gate; up] GEMM, the canvas's K/V stored right
     after the cached span and attended as one slice of the cache, the next layer's input norm in post_ffn)
     against itself run eagerly, at lengths where the sliding layers' window wraps the ring (into its mirror
-    slots) and after rewinds: a graph recaptured per cache length must read the same slots. Against the
+    slots) and after rewinds. The graphs read the cache length on the device: one capture per mode (plain, SC
+    probabilities, SC seed) serves every length here, as the full layers' keys stay in one bucket. Against the
     unfused path and the reference the same step is pinned in fp32 on CPU (tests/test_merged_weights.py); in
-    bf16 the tiny checkpoint's top-k flips dominate such comparisons (rel 0.08 measured here on the H200).
-
-    As in a generation, each length's SC-seed step runs first (eagerly): from the second length on, the graphs
-    are captured without their warm-up, and must still match."""
+    bf16 the tiny checkpoint's top-k flips dominate such comparisons (rel 0.08 measured here on the H200)."""
     from diffgemma.kernels import cuda as fast_ops
     from diffgemma.testing import write_tiny_checkpoint
     from diffgemma.weights.loader import load_model
 
-    warm_ups = []
+    captures = []
     real_step = fast_ops.GraphStep
 
-    def graph_step(*args, warm_up=True):
-        warm_ups.append(warm_up)
-        return real_step(*args, warm_up=warm_up)
+    def graph_step(*args, **kwargs):
+        captures.append(args[2] is not None)
+        return real_step(*args, **kwargs)
 
     monkeypatch.setattr(fast_ops, "GraphStep", graph_step)
 
@@ -151,10 +149,10 @@ def test_fused_graphed_denoise_matches_fused_eager_across_ring_wraps(tmp_path, m
         want_sc = m.denoise(canvas, kv, sc_probs=sc)
         want_seed = m.denoise(canvas, kv, sc_seed=True)
         m.use_graphs = True
-        assert torch.equal(m.denoise(canvas, kv, sc_seed=True), want_seed)  # eager either way
-        for _ in range(2):  # capture, then replay
+        for _ in range(2):  # capture (at the first length), then replay
             assert rel(m.denoise(canvas, kv), want) < 1e-3, kv.length
             assert rel(m.denoise(canvas, kv, sc_probs=sc), want_sc) < 1e-3, kv.length
+            assert rel(m.denoise(canvas, kv, sc_seed=True), want_seed) < 1e-3, kv.length
         assert kv.fingerprint() == fp  # the canvas's K/V only ever go to free slots
 
     for t in (5, 20, 9, 31, 3, 14):
@@ -165,4 +163,6 @@ def test_fused_graphed_denoise_matches_fused_eager_across_ring_wraps(tmp_path, m
             kv.truncate(kv.length - 4)
             check()
     assert not any(r.failed for r in m.fused_regions.values()), m.fused_regions
-    assert warm_ups[:2] == [True, True] and warm_ups.count(False) == len(warm_ups) - 2, warm_ups
+    assert sorted(captures) == [False, False, True], (
+        captures
+    )  # plain and seed (no SC input), SC probabilities

@@ -140,7 +140,13 @@ def moe_experts_grouped(
 # -- attention ---------------------------------------------------------------------------------------
 
 
-def attention_nomask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def attention_nomask(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    span: tuple[torch.Tensor, int] | None = None,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Unmasked attention (the denoise phase), scale 1. q [1, H, T, d], k/v [1, Hkv, S, d].
 
     GQA is folded into the query length ([1, Hkv, g*T, d]) so that each KV head is read once and no mask is
@@ -150,44 +156,65 @@ def attention_nomask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     memory-efficient one ran at ~90 TFLOP/s on an H200 (3 ms per layer at 32k); there the scores are
     materialized instead: two cuBLAS GEMMs at several hundred TFLOP/s around an fp32 softmax. The scores come
     out of the GEMM in fp32 (bf16 products, fp32 accumulation, as in the fused kernels) and P is rounded to the
-    value dtype before P @ V, as flash kernels do. Memory: Hkv * g*T * S * 6 bytes (3 GiB at 128k)."""
+    value dtype before P @ V, as flash kernels do. Memory: Hkv * g*T * S * 6 bytes (3 GiB at 128k).
+
+    Read on the device, so that a CUDA graph serves any cache length: `span` = (int32 [2], n_max), the keys are
+    slots span[0] .. span[0] + span[1] of k and v (at most n_max of them); `valid` (int32 [1]): only the first
+    valid[0] keys count."""
     _, h, t, d = q.shape
     hkv = k.shape[1]
     qf = q.reshape(1, hkv, (h // hkv) * t, d)
-    if d > 256 and q.is_cuda:
+    if d > 256 and q.is_cuda and span is None:
         scores = torch.bmm(qf[0], k[0].transpose(1, 2), out_dtype=torch.float32)  # [Hkv, g*T, S]
-        return torch.bmm(softmax_to(scores, v.dtype), v[0]).reshape(1, h, t, d)
-    ta = triton_attn_for(q)
+        return torch.bmm(softmax_to(scores, v.dtype, valid=valid), v[0]).reshape(1, h, t, d)
+    ta = triton_attn_for(q) if valid is None else None
     if ta is not None:
         try:
             # the output lands in o_proj's input rows [T, H, d]: `ref.rows` of the returned view is free
             rows = torch.empty(t, h, d, device=q.device, dtype=q.dtype)
-            ta.attention_splitkv(qf, k, v, out=rows.view(t, hkv, h // hkv, d).permute(1, 2, 0, 3))
+            ta.attention_splitkv(qf, k, v, out=rows.view(t, hkv, h // hkv, d).permute(1, 2, 0, 3), span=span)
             return rows.transpose(0, 1)[None]
         except Exception as e:  # noqa: BLE001 - any failure: SDPA from then on, loudly
             triton_failed("triton_attn", e)
-    out = F.scaled_dot_product_attention(qf, k, v, scale=1.0)
+    mask = None
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if (span is not None or valid is not None) and not capturing:
+        # outside a graph the keys are sliced exactly (a host read): the same sums as without a span
+        first, count = span[0].tolist() if span is not None else (0, int(valid))
+        k, v = k[:, :, first : first + count], v[:, :, first : first + count]
+    elif span is not None:  # in a graph: n_max slots from span[0] (clamped to the buffer), the count masked
+        idx = (span[0][0].long() + torch.arange(span[1], device=k.device)).clamp(max=k.shape[2] - 1)
+        k, v, valid = k.index_select(2, idx), v.index_select(2, idx), span[0][1:]
+    if valid is not None and capturing:
+        mask = torch.zeros(1, k.shape[2], device=q.device, dtype=q.dtype)  # [queries, keys], broadcast
+        mask = mask.masked_fill(torch.arange(k.shape[2], device=q.device) >= valid, float("-inf"))
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=1.0)
     return out.reshape(1, h, t, d)
 
 
 def softmax_to(
-    scores: torch.Tensor, dtype: torch.dtype, causal: tuple[int, int] | None = None
+    scores: torch.Tensor,
+    dtype: torch.dtype,
+    causal: tuple[int, int] | None = None,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(scores fp32, dim=-1) rounded to dtype: one Triton pass (kernels/triton_softmax.py) on CUDA where
     triton works, else torch. `causal` = (base, period): row r keeps only its first base + r % period columns
-    (the rest of it is 0), the causal mask of a block of queries applied in the same pass."""
+    (the rest of it is 0), the causal mask of a block of queries applied in the same pass. `valid` (int32 [1],
+    on the device): no row keeps more than its first valid[0] columns."""
     tk = _triton_kernels("triton_softmax") if scores.is_cuda else None
     if tk is not None:
         try:
-            return tk.softmax_rows(scores, dtype, causal)
+            return tk.softmax_rows(scores, dtype, causal, valid)
         except Exception as e:  # noqa: BLE001 - any failure: torch from then on, loudly
             triton_failed("triton_softmax", e)
+    cols = torch.arange(scores.shape[-1], device=scores.device)
     if causal is not None:
         base, period = causal
         r = torch.arange(scores.shape[-2], device=scores.device)[:, None] % period
-        scores = scores.masked_fill(
-            torch.arange(scores.shape[-1], device=scores.device) >= base + r, float("-inf")
-        )
+        scores = scores.masked_fill(cols >= base + r, float("-inf"))
+    if valid is not None:
+        scores = scores.masked_fill(cols >= valid, float("-inf"))
     return torch.softmax(scores, dim=-1).to(dtype)
 
 

@@ -50,6 +50,7 @@ def _splitkv_kernel(
     acc_ptr,
     max_ptr,
     sum_ptr,
+    span_ptr,
     M,
     S,
     stride_qh,
@@ -62,6 +63,7 @@ def _splitkv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_BLOCKS: tl.constexpr,
+    HAS_SPAN: tl.constexpr,
 ):
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -73,6 +75,11 @@ def _splitkv_kernel(
     )
     k_rows = k_ptr + head * stride_kh + ds[None, :]
     v_rows = v_ptr + head * stride_vh + ds[None, :]
+    if HAS_SPAN:  # the keys are slots span[0] .. span[0] + span[1] of k and v, read on the device
+        first = tl.load(span_ptr).to(tl.int64)
+        S = tl.load(span_ptr + 1)
+        k_rows += first * stride_kn
+        v_rows += first * stride_vn
     # Base-2 softmax: scores times log2(e), then exp2 (tl.exp lowers to a multiply and ex2.approx anyway; here
     # the multiply folds into the max subtraction). The row max is in log2 units; the combine uses exp2 too.
     # A finite floor for the max: a split with no keys writes max -1e30, sum 0, acc 0, which the combine weighs
@@ -170,10 +177,15 @@ def attention_splitkv(
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
     out: torch.Tensor | None = None,
+    span: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T) v, scale 1, no mask: q [1, Hkv, M, d], k/v [1, Hkv, S, d] (any strides with unit last
     stride; k and v may be slices of one tensor) -> [1, Hkv, M, d] contiguous in q's dtype. splits: key ranges
     per (row block, head), on block_n boundaries; None picks them from the SM count (`_auto_splits`).
+
+    `span` = (int32 [2] on q's device, n_max): the keys are slots span[0] .. span[0] + span[1] of k and v, and
+    span[1] <= n_max, read on the device: a CUDA graph of this call serves every span of at most n_max keys
+    (the tiling is n_max's; keys past span[1] are masked).
 
     `out`, when given, receives the result and is returned: a [Hkv, g, T, d] view (g * T = M, q's dtype, unit
     last stride), query row r of a head going to out[head, r // T, r % T]. `cuda.attention_nomask` passes the
@@ -194,7 +206,17 @@ def attention_splitkv(
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"attention_splitkv: q, k, v dtypes differ: {q.dtype} {k.dtype} {v.dtype}")
     _, hkv, m_rows, d = q.shape
-    s_keys = k.shape[2]
+    s_keys = k.shape[2] if span is None else span[1]
+    if span is not None and (
+        span[0].dtype != torch.int32
+        or span[0].shape != (2,)
+        or span[0].device != q.device
+        or span[1] > k.shape[2]
+    ):
+        raise ValueError(
+            f"attention_splitkv: span must be (int32 [2] on {q.device}, n_max <= {k.shape[2]} slots), got "
+            f"{span[0].dtype} {tuple(span[0].shape)} {span[1]}"
+        )
     if d < 16 or d > 256 or d & (d - 1):
         raise ValueError(f"attention_splitkv: head_dim must be a power of two in [16, 256], got {d}")
     if s_keys == 0 or q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
@@ -228,6 +250,7 @@ def attention_splitkv(
         acc,
         maxes,
         sums,
+        q if span is None else span[0],  # not read without a span
         m_rows,
         s_keys,
         q.stride(1),
@@ -240,6 +263,7 @@ def attention_splitkv(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         SPLIT_BLOCKS=triton.cdiv(key_blocks, splits),
+        HAS_SPAN=span is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -35,6 +35,7 @@ def _norm_rope_kernel(
     k_norm_ptr,
     q_ptr,
     kv_ptr,
+    slot_ptr,
     T,
     eps,
     stride_t,
@@ -49,9 +50,14 @@ def _norm_rope_kernel(
     HAS_V: tl.constexpr,
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    HAS_SLOT: tl.constexpr,
 ):
     head = tl.program_id(1)  # 0..NQ-1: Q heads, then NKV K heads, then (HAS_V) NKV V heads
     ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    if (
+        HAS_SLOT
+    ):  # K/V of token t go to slot slot[0] + t, read on the device (a CUDA graph's, any cache length)
+        kv_ptr += tl.load(slot_ptr).to(tl.int64) * stride_kvt
     t_ok = (ts < T)[:, None]
     half: tl.constexpr = D // 2
     ds = tl.arange(0, half)
@@ -102,10 +108,14 @@ def norm_rope(
     k_norm: torch.Tensor,
     eps: float,
     kv_out: torch.Tensor | None = None,
+    kv_slot: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv [T, (n_heads + n_kv (+ n_kv if has_v)) * d], the merged GEMM's output -> (q [1, n_heads, T, d]
     contiguous, kv [2, n_kv, T, d]): `fused.qkv_post`'s outputs with stacked K and V. `kv_out`: where to write
-    K and V (e.g. the cache's canvas slots), else a new tensor. cos/sin: `torch_ref.rope_cos_sin` tables."""
+    K and V (e.g. the cache's canvas slots), else a new tensor. cos/sin: `torch_ref.rope_cos_sin` tables.
+
+    `kv_slot` (int32 [1] on the device): kv_out is a layer's whole cache buffer [2, n_kv, slots, d] and token t's
+    K/V go to slot kv_slot[0] + t; the returned kv is then kv_out itself."""
     t = qkv.shape[0]
     d = qkv.shape[1] // (n_heads + n_kv * (2 if has_v else 1))
     if qkv.stride(1) != 1 or cos.stride(1) != 1 or sin.stride() != cos.stride():
@@ -114,8 +124,19 @@ def norm_rope(
         raise ValueError(f"norm_rope: head_dim must be a power of two, got {d}")
     q = torch.empty(n_heads, t, d, device=qkv.device, dtype=qkv.dtype)
     kv = torch.empty(2, n_kv, t, d, device=qkv.device, dtype=qkv.dtype) if kv_out is None else kv_out
-    if kv.shape != (2, n_kv, t, d) or kv.stride(3) != 1 or kv.dtype != qkv.dtype:
-        raise ValueError(f"norm_rope: kv_out must be [2, {n_kv}, {t}, {d}] {qkv.dtype} with unit last stride")
+    want = (2, n_kv, kv.shape[2] if kv_slot is not None else t, d)
+    if (
+        kv.shape != want
+        or kv.stride(3) != 1
+        or kv.dtype != qkv.dtype
+        or (kv_slot is not None and kv_out is None)
+    ):
+        raise ValueError(
+            f"norm_rope: kv_out must be [2, {n_kv}, {t} (or the slots with kv_slot), {d}] {qkv.dtype} with unit "
+            f"last stride, got {tuple(kv.shape)} {kv.dtype}"
+        )
+    if kv_slot is not None and (kv_slot.dtype != torch.int32 or kv_slot.numel() != 1):
+        raise ValueError(f"norm_rope: kv_slot must be one int32, got {kv_slot.dtype} {tuple(kv_slot.shape)}")
     grid = (triton.cdiv(t, BLOCK_T), n_heads + n_kv * (2 if has_v else 1))
     _norm_rope_kernel[grid](
         qkv,
@@ -125,6 +146,7 @@ def norm_rope(
         k_norm,
         q,
         kv,
+        kv if kv_slot is None else kv_slot,  # not read without a slot
         t,
         eps,
         qkv.stride(0),
@@ -139,6 +161,7 @@ def norm_rope(
         HAS_V=has_v,
         D=d,
         BLOCK_T=BLOCK_T,
+        HAS_SLOT=kv_slot is not None,
         **LAUNCH_OPTIONS,
     )
     return q[None], kv

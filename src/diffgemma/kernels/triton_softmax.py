@@ -23,9 +23,22 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _softmax_rows_kernel(x_ptr, y_ptr, n_cols, stride_x, stride_y, base, period, BLOCK: tl.constexpr):
+def _softmax_rows_kernel(
+    x_ptr,
+    y_ptr,
+    valid_ptr,
+    n_cols,
+    stride_x,
+    stride_y,
+    base,
+    period,
+    BLOCK: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+):
     row = tl.program_id(0)
     limit = tl.minimum(n_cols, base + row % period)  # columns >= limit count as -inf (int32, as n_cols)
+    if HAS_VALID:  # a count of valid columns read on the device (a CUDA graph's, whatever the cache length)
+        limit = tl.minimum(limit, tl.load(valid_ptr))
     x_row = x_ptr + row.to(tl.int64) * stride_x
     y_row = y_ptr + row.to(tl.int64) * stride_y
     cols = tl.arange(0, BLOCK)
@@ -59,23 +72,35 @@ def _softmax_rows_kernel(x_ptr, y_ptr, n_cols, stride_x, stride_y, base, period,
         start += BLOCK
 
 
-def softmax_rows(x: torch.Tensor, dtype: torch.dtype, causal: tuple[int, int] | None = None) -> torch.Tensor:
+def softmax_rows(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    causal: tuple[int, int] | None = None,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
     """softmax(x, dim=-1) in fp32, returned in `dtype`; x is fp32 with a contiguous last dimension. `causal` =
-    (base, period): row r (of the rows flattened) keeps its first base + r % period columns, the rest is 0."""
+    (base, period): row r (of the rows flattened) keeps its first base + r % period columns, the rest is 0.
+    `valid` (int32 [1] on x's device): every row keeps at most its first valid[0] columns, the rest is 0."""
     if x.dtype != torch.float32 or x.stride(-1) != 1:
         raise ValueError(f"softmax_rows wants fp32 rows with unit stride, got {x.dtype} {x.stride()}")
+    if valid is not None and (valid.dtype != torch.int32 or valid.numel() != 1 or valid.device != x.device):
+        raise ValueError(
+            f"softmax_rows: valid must be one int32 on {x.device}, got {valid.dtype} {valid.shape}"
+        )
     rows = x.reshape(-1, x.shape[-1])
     out = torch.empty(rows.shape, device=x.device, dtype=dtype)
     base, period = causal or (rows.shape[1], 1)
     _softmax_rows_kernel[(rows.shape[0],)](
         rows,
         out,
+        rows if valid is None else valid,  # not read without a count
         rows.shape[1],
         rows.stride(0),
         out.stride(0),
         base,
         period,
         BLOCK=BLOCK,
+        HAS_VALID=valid is not None,
         num_warps=NUM_WARPS,
     )
     return out.view(x.shape)

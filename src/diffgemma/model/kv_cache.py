@@ -109,8 +109,9 @@ class KVCache:
 
     def _span(self, layer: int, end: int) -> tuple[int, int]:
         """Slots [a, b) that hold, in position order, what `layer` attends to before position `end`."""
-        if not self.cfg.is_sliding(layer):
-            return 0, end
+        return self._sliding_span(end) if self.cfg.is_sliding(layer) else (0, end)
+
+    def _sliding_span(self, end: int) -> tuple[int, int]:
         start = self._window_start(end)
         a = start % self.period
         return a, a + end - start
@@ -147,25 +148,17 @@ class KVCache:
         self.v[layer][:, :, b : b + c].copy_(v)
         return self.k[layer][:, :, a : b + c], self.v[layer][:, :, a : b + c]
 
-    def canvas_view(self, layer: int, c: int) -> torch.Tensor | None:
-        """The slots `read_with_kv` puts a canvas of c positions in ([2, h, c, d], a view), for a kernel to write
-        its K and V there directly; None when the canvas does not fit them."""
-        if c > self.canvas_slots:
-            return None
-        b = self._span(layer, self.length)[1]
-        return self.kv[layer][:, :, b : b + c]
+    def denoise_geometry(self, c: int) -> list[int]:
+        """Where a denoise step of a canvas of c positions reads and writes, for kernels that take it on the
+        device: [length (the full layers' canvas slot and the canvas's first position), the first slot of a
+        sliding layer's keys, their count with the canvas, that canvas's first slot, the full layers' key count
+        with the canvas]. A sliding layer's keys are the window before the canvas and the canvas, contiguous."""
+        a, b = self._sliding_span(self.length)
+        return [self.length, a, b + c - a, b, self.length + c]
 
-    def read_with_kv(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`read_with` for the canvas's K and V stacked in one tensor [2, h, C, d]: one copy for both, none when
-        kv is already `canvas_view`."""
-        c = kv.shape[2]
-        if c > self.canvas_slots or kv.dtype != self.dtype:
-            return self.read_with(layer, kv[0:1], kv[1:2])
-        a, b = self._span(layer, self.length)
-        dst = self.kv[layer][:, :, b : b + c]
-        if kv.data_ptr() != dst.data_ptr() or kv.stride() != dst.stride():
-            dst.copy_(kv)
-        return self.k[layer][:, :, a : b + c], self.v[layer][:, :, a : b + c]
+    def denoise_key_slots(self, c: int) -> int:
+        """The most keys a sliding layer's denoise reads with a canvas of c (`denoise_geometry`'s count)."""
+        return min(self.window - 1, self.max_tokens) + c
 
     def write(self, layer: int, start: int, kv: torch.Tensor) -> None:
         """Store K and V stacked [2, heads, T, d] for positions start .. start+T-1 (does not move `length`)."""

@@ -28,6 +28,12 @@ PREFILL_CHUNK = 4096
 # Measured in bench/results/prefill_host/.
 PREFILL_GRAPH_MAX = 2048
 PREFILL_GRAPH_BUCKET = 256
+# A denoise graph reads the cache length on the device (`KVCache.denoise_geometry`) and covers the full layers'
+# keys up to a multiple of this: one capture per 1,024 cached tokens (4 blocks of 256), not one per block, for at
+# most 1,023 masked keys of extra work in the 5 full layers. Estimated, not measured: a capture ~35 ms
+# (bench/results/generate_overhead/), 1,000 keys of the full layers' attention ~0.1 ms a step, so 1,024 saves
+# ~26 ms a block of 48 steps for ~3 ms; 4,096 would save ~33 ms for ~11.
+FULL_KEY_BUCKET = 1024
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -145,8 +151,7 @@ class DiffusionGemma(nn.Module):
         self.prefill_regions = fused_ops.make_regions(dynamic=True)
         self._graphs: dict = {}
         self._graph_cache_key: tuple | None = None
-        self._warm_modes: set = set()  # graph modes captured once with a warm-up
-        self._eager_at: tuple | None = None  # (cache key, canvas length, fused) of the last eager seed step
+        self._geometry: torch.Tensor | None = None  # the denoise's `KVCache.denoise_geometry`, on the device
         self._prefill_graphs: dict[int, fast_ops.GraphStep | None] = {}  # bucket -> graph (None: ran eagerly)
         self._prefill_stage: KVCache | None = None  # where `_prefill_padded` writes K/V
         self._prefill_pool = None  # one memory pool for those graphs: none keeps a live output in it
@@ -261,16 +266,12 @@ class DiffusionGemma(nn.Module):
         canvas = self._check_ids(canvas_ids)[0]
         if sc_logits is not None:
             sc_probs = torch.softmax(sc_logits.reshape(canvas.shape[0], -1), dim=-1, dtype=torch.float32)
-        graphs = self.is_fast and self.use_graphs and self.device.type == "cuda"
-        # A block's first step (the SC seed) runs once per cache length: eager costs one forward, a graph its
-        # warm-up, capture and replay (bench/results/generate_overhead/).
-        if graphs and not (sc_seed and sc_probs is None):
-            out = self._denoise_graphed(canvas, kv, sc_probs)[None]
-            return out.clone() if copy else out
-        out = self._denoise_forward(canvas, kv, sc_probs, sc_seed)[None]
-        if graphs:  # this length's compiles are done: its capture can skip the warm-up
-            self._eager_at = (self._graph_key(kv), canvas.shape[0], self.is_fused)
-        return out
+        if self._fused_for(kv, canvas.shape[0]):
+            self._load_geometry(kv, canvas.shape[0])  # before a replay: the graph reads it
+            if self.use_graphs and self.device.type == "cuda":
+                out = self._denoise_graphed(canvas, kv, sc_probs, sc_seed and sc_probs is None)[None]
+                return out.clone() if copy else out
+        return self._denoise_forward(canvas, kv, sc_probs, sc_seed)[None]
 
     def _denoise_forward(
         self, canvas: torch.Tensor, kv: KVCache, sc_probs: torch.Tensor | None, sc_seed: bool
@@ -280,41 +281,53 @@ class DiffusionGemma(nn.Module):
         return self._logits(h)
 
     def _denoise_graphed(
-        self, canvas: torch.Tensor, kv: KVCache, sc_probs: torch.Tensor | None
+        self, canvas: torch.Tensor, kv: KVCache, sc_probs: torch.Tensor | None, sc_seed: bool
     ) -> torch.Tensor:
-        """Replay (capturing on first use) the denoise graph for this cache at its current length. Graphs of
-        an older cache length are dropped: one capture per block, then every step of the block replays."""
-        key = self._graph_key(kv)
+        """Replay (capturing on first use) the fused denoise graph for this cache. It reads the cache length on
+        the device, so it serves every block until the full layers' keys outgrow their bucket; graphs of another
+        cache or bucket are dropped."""
+        key = self._graph_key(kv, canvas.shape[0])
         if key != self._graph_cache_key:
             self._graphs.clear()
             self._graph_cache_key = key
-        mode = (canvas.shape[0], sc_probs is not None, self.is_fused)
+        mode = (canvas.shape[0], sc_probs is not None, sc_seed)
         step = self._graphs.get(mode)
         if step is None:
             step = fast_ops.GraphStep(
-                lambda c, p: self._denoise_forward(c, kv, p, False),
+                lambda c, p: self._denoise_forward(c, kv, p, sc_seed),
                 canvas,
                 None if sc_probs is None else sc_probs.float(),
                 None,  # a private memory pool per graph, freed with it
-                # The warm-up compiles what this length needs; an eager step here did that already.
-                warm_up=mode not in self._warm_modes
-                or self._eager_at != (key, canvas.shape[0], self.is_fused),
             )
             self._graphs[mode] = step
-            self._warm_modes.add(mode)
         return step(canvas, sc_probs)
 
     def sc_input_buffer(self, kv: KVCache, canvas_len: int) -> torch.Tensor | None:
         """The captured denoise graph's SC input for this cache and canvas length, if there is one: SC
         probabilities written there are not copied in again by the next `denoise`."""
-        if self._graph_cache_key != self._graph_key(kv):
+        if self._graph_cache_key != self._graph_key(kv, canvas_len):
             return None
-        step = self._graphs.get((canvas_len, True, self.is_fused))
+        step = self._graphs.get((canvas_len, True, False))
         return None if step is None else step.sc
 
+    def _graph_key(self, kv: KVCache, c: int) -> tuple:
+        return (id(kv), kv.k[0].data_ptr(), self._full_keys(kv, c))
+
     @staticmethod
-    def _graph_key(kv: KVCache) -> tuple:
-        return (id(kv), kv.k[0].data_ptr(), kv.length)
+    def _full_keys(kv: KVCache, c: int) -> int:
+        """Keys a fused denoise step's full layers attend over, masked past length + c: FULL_KEY_BUCKET steps."""
+        return min(kv.max_tokens + kv.canvas_slots, -(-(kv.length + c) // FULL_KEY_BUCKET) * FULL_KEY_BUCKET)
+
+    def _fused_for(self, kv: KVCache, c: int) -> bool:
+        """Whether a denoise over `kv` with a canvas of c runs the fused layers: they write the canvas's K/V
+        into the cache's own slots, so the cache must hold the model's dtype and have room for the canvas."""
+        return self.is_fused and kv.dtype == self.dtype and c <= kv.canvas_slots
+
+    def _load_geometry(self, kv: KVCache, c: int) -> None:
+        """`kv.denoise_geometry(c)` into the device buffer the fused denoise layers read (a graph too)."""
+        if self._geometry is None or self._geometry.device != self.device:
+            self._geometry = torch.zeros(5, dtype=torch.int32, device=self.device)
+        self._geometry.copy_(torch.tensor(kv.denoise_geometry(c), dtype=torch.int32))
 
     # -- pieces ----------------------------------------------------------------------------
 
@@ -513,11 +526,13 @@ class DiffusionGemma(nn.Module):
         positions: torch.Tensor,
         rope: dict,
         kv_out: torch.Tensor | None = None,
+        kv_slot: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The merged q/k/v GEMM of a fused layer on h [T, hidden] (its normed input x made here unless the
         previous layer made it), then the Q/K norms, RoPE and V's norm: q [1, H, T, d] and K/V stacked
-        [2, Hkv, T, d], written into `kv_out` when given. The Triton kernel (`triton_qkv`) where it runs, with
-        `rope` the step's cos/sin tables per layer type (filled here on first use); else the region."""
+        [2, Hkv, T, d], written into `kv_out` when given (with `kv_slot`, int32 [1] on the device: kv_out is a
+        layer's cache buffer and token t goes to slot kv_slot[0] + t). The Triton kernel (`triton_qkv`) where it
+        runs, with `rope` the step's cos/sin tables per layer type (filled here on first use); else the region."""
         t, hd, nq, nkv, eps = h.shape[0], layer.head_dim, layer.n_heads, layer.n_kv, self.cfg.rms_norm_eps
         if x is None:
             x = regions["norm"](h, layer.input_layernorm, eps)
@@ -530,7 +545,7 @@ class DiffusionGemma(nn.Module):
                 rope[lt] = ops.rope_cos_sin(inv_freq, positions, h.dtype)
             try:
                 return tq.norm_rope(
-                    qkv, nq, nkv, layer.sliding, *rope[lt], layer.q_norm, layer.k_norm, eps, kv_out
+                    qkv, nq, nkv, layer.sliding, *rope[lt], layer.q_norm, layer.k_norm, eps, kv_out, kv_slot
                 )
             except Exception as e:  # noqa: BLE001 - any failure: the compiled region from then on, loudly
                 fast_ops.triton_failed("triton_qkv", e)
@@ -540,6 +555,9 @@ class DiffusionGemma(nn.Module):
         q, kv_new = regions["qkv_post"](
             q, k_raw, v, layer.q_norm, layer.k_norm, inv_freq, positions, eps, True
         )
+        if kv_slot is not None:
+            kv_out.index_copy_(2, kv_slot.long() + torch.arange(t, device=kv_slot.device), kv_new)
+            return q, kv_out
         if kv_out is not None:
             kv_out.copy_(kv_new)
             return q, kv_out
@@ -568,13 +586,14 @@ class DiffusionGemma(nn.Module):
 
     def _decode_layers(self, h: torch.Tensor, kv: KVCache) -> torch.Tensor:
         c = h.shape[0]
-        positions = torch.arange(kv.length, kv.length + c, device=self.device)
-        if self.is_fused:  # each layer's last region also norms the next layer's input
-            x, rope = None, {}
+        if self._fused_for(kv, c):  # each layer's last region also norms the next layer's input
+            positions = self._geometry[0] + torch.arange(c, device=self.device)  # `denoise` loaded it
+            x, rope, keys = None, {}, self._full_keys(kv, c)
             for layer, nxt in zip(self.layers, [*self.layers[1:], None], strict=True):
                 norm = None if nxt is None else nxt.input_layernorm
-                h, x = self._decode_layer_fused(layer, h, kv, positions, rope, x, norm)
+                h, x = self._decode_layer_fused(layer, h, kv, positions, rope, keys, x, norm)
             return h
+        positions = torch.arange(kv.length, kv.length + c, device=self.device)
         for layer in self.layers:
             h = self._decode_layer(layer, h, kv, positions)
         return h
@@ -583,8 +602,9 @@ class DiffusionGemma(nn.Module):
         self, layer: Layer, h: torch.Tensor, kv: KVCache, positions: torch.Tensor
     ) -> torch.Tensor:
         """One decoder layer on the canvas stream h [C, hidden] at `positions`, attending to the cache."""
-        if self.is_fused:
-            return self._decode_layer_fused(layer, h, kv, positions, {})[0]
+        if self._fused_for(kv, h.shape[0]):
+            self._load_geometry(kv, h.shape[0])
+            return self._decode_layer_fused(layer, h, kv, positions, {}, self._full_keys(kv, h.shape[0]))[0]
         fast = self.is_fast
 
         def attend(x: torch.Tensor) -> torch.Tensor:
@@ -608,18 +628,25 @@ class DiffusionGemma(nn.Module):
         kv: KVCache,
         positions: torch.Tensor,
         rope: dict,
+        full_keys: int,
         x: torch.Tensor | None = None,
         next_norm: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """_decode_layer's math as compiled regions (kernels/fused.py) around the library GEMMs and SDPA.
+        """_decode_layer's math as compiled regions (kernels/fused.py) around the library GEMMs and the attention
+        kernels, with the cache length read on the device (`_load_geometry`), so that one CUDA graph serves
+        every length whose full-layer keys fit `full_keys` (`_full_keys`).
 
         `rope`: the step's cos/sin tables by layer type (`_fused_qkv`); `x`: this layer's normed input when the
         previous layer made it; `next_norm`: the next layer's input_layernorm, applied in this layer's last
         region. Returns (h, the next layer's normed input)."""
-        r = self.fused_regions
+        r, geo, c = self.fused_regions, self._geometry, h.shape[0]
+        buf = kv.kv[layer.idx]  # [2, Hkv, slots, d]
         # K/V go straight to the cache's canvas slots, and attention reads the cached span with them: no gather
-        slots = kv.canvas_view(layer.idx, h.shape[0]) if kv.dtype == h.dtype else None
-        q, kv_new = self._fused_qkv(layer, h, x, r, positions, rope, slots)
-        keys, vals = kv.read_with_kv(layer.idx, kv_new)
-        attn_rows = ops.rows(fast_ops.attention_nomask(q, keys, vals))
-        return self._fused_ffn_half(layer, h, attn_rows, r, layer.layer_scalar, next_norm)
+        q, _ = self._fused_qkv(layer, h, x, r, positions, rope, buf, geo[3:4] if layer.sliding else geo[0:1])
+        if layer.sliding:  # the window before the canvas and the canvas: slots geo[1] .. geo[1] + geo[2]
+            out = fast_ops.attention_nomask(q, buf[0:1], buf[1:2], span=(geo[1:3], kv.denoise_key_slots(c)))
+        else:  # keys 0 .. length + c, of full_keys
+            out = fast_ops.attention_nomask(
+                q, buf[0:1, :, :full_keys], buf[1:2, :, :full_keys], valid=geo[4:5]
+            )
+        return self._fused_ffn_half(layer, h, ops.rows(out), r, layer.layer_scalar, next_norm)
