@@ -55,6 +55,15 @@ def _check_moe() -> None:
         assert got.dtype == torch.float32 and got.shape == (n, h)
         assert _rel(got, want) < 1e-5, (name, _rel(got, want))
 
+    # fp32 activations on bf16 experts (a short prompt's prefill): x cut into three bf16 parts, each product
+    # exact; a part lost or cut wrong is off by 2^-9 or more relative
+    w16 = [t.bfloat16() for t in (gate_up, down)]
+    want16 = ref.moe_experts(x.double(), weights.double(), ids, w16[0].double(), w16[1].double())
+    for name, cfg in configs.items():
+        got = tm.moe_experts_triton(x, weights, ids, w16[0], w16[1], cfg)
+        assert got.dtype == torch.float32
+        assert _rel(got, want16) < 1e-5, (name, _rel(got, want16))
+
     # bf16: the interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to nearest), which biases
     # every rounding toward zero (rel 1.7e-2 here); this pins the bf16 plumbing (a wrong row, column or
     # weight gives rel ~1), not the rounding, which tests/gpu/test_triton_moe.py pins

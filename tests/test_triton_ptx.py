@@ -86,3 +86,37 @@ def test_device_length_kernels_compile_for_sm90():
     sig.update(dict.fromkeys(("n_cols", "stride_x", "stride_y", "base", "period"), "i32"))
     ptx = _ptx(ts._softmax_rows_kernel, sig, {"BLOCK": 2048, "HAS_VALID": True}, {"num_warps": 8})
     assert re.search(r"ex2\.approx", ptx)  # the exponentials, on the fast path
+
+
+@pytest.mark.parametrize("kernel", ["_gate_up_kernel", "_down_kernel"])
+def test_moe_fp32_activations_compile_to_bf16_tensor_core_products(kernel):
+    # fp32 activations on bf16 experts (a short prompt's prefill): x cut into three bf16 parts, each multiplied
+    # by a bf16 MMA (a first version did not compile for sm_90: a constexpr branch's early return)
+    from diffgemma.kernels import triton_moe as tm
+
+    if kernel == "_gate_up_kernel":
+        sig = {
+            "x_ptr": "*fp32",
+            "gu_ptr": "*bf16",
+            "act_ptr": "*fp32",
+            "perm_ptr": "*i64",
+            "bounds_ptr": "*i32",
+        }
+        names = (
+            "TOP_K",
+            "stride_xn",
+            "stride_xh",
+            "stride_ge",
+            "stride_gr",
+            "stride_gh",
+            "stride_an",
+            "stride_ai",
+        )
+    else:
+        sig = {"act_ptr": "*fp32", "dn_ptr": "*bf16", "bounds_ptr": "*i32", "y_ptr": "*fp32"}
+        names = ("stride_an", "stride_ai", "stride_de", "stride_dh", "stride_di", "stride_yn", "stride_yh")
+    sig.update(dict.fromkeys(names, "i32"))
+    consts = {"BLOCK_M": 32, "M_SLOTS": 2, "BLOCK_N": 64, "BLOCK_K": 128, "H": 2816, "INTER": 704}
+    consts.update(SWAP_AB=False, UPCAST_DOT=False, SPLIT3=True)
+    ptx = _ptx(getattr(tm, kernel), sig, consts, {"num_warps": 4, "num_stages": 3})
+    assert re.search(r"mma\S*\.bf16\.bf16", ptx)

@@ -25,6 +25,13 @@ _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 # for a denoise step (~16 pairs per expert), wrong for a prefill chunk (hundreds), where the grouped GEMMs
 # win. bench/moe_kernels.py measures the crossover.
 _TRITON_MAX_PAIRS_PER_EXPERT = 32
+# (activations, weights): fp32 on bf16 is a short prompt's prefill (seed rule 7), without an fp32 copy of the
+# experts (bench/results/fp32_prefill/).
+_TRITON_MOE_DTYPES = {
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.float32, torch.bfloat16),
+}
 # Triton kernel modules whose call has failed once (a compile error, say): their torch twins serve from then on.
 triton_failed_kernels: set[str] = set()
 
@@ -54,10 +61,11 @@ def triton_failed(name: str, e: Exception) -> None:
 
 
 def triton_moe_for(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor):
-    """kernels.triton_moe when its kernels suit this call (CUDA, 16-bit weights, few pairs per expert and no
-    earlier failure), else None."""
+    """kernels.triton_moe when its kernels suit this call (CUDA, 16-bit weights and activations in their dtype,
+    or fp32 ones on bf16, few pairs per expert and no earlier failure), else None."""
     few_pairs = ids.numel() <= _TRITON_MAX_PAIRS_PER_EXPERT * gate_up.shape[0]
-    if not (x.is_cuda and few_pairs and gate_up.dtype in (torch.bfloat16, torch.float16)):
+    dtypes = (x.dtype, gate_up.dtype)
+    if not (x.is_cuda and few_pairs and dtypes in _TRITON_MOE_DTYPES):
         return None
     return _triton_kernels("triton_moe")
 
@@ -103,14 +111,15 @@ def moe_experts(
 ) -> torch.Tensor:
     """torch_ref.moe_experts: on CUDA with triton and few pairs per expert (a denoise step's ~16, where the
     grouped GEMMs read the weights at half the memory bandwidth), the two Triton kernels of `triton_moe`;
-    otherwise `moe_experts_grouped`. Both round the same way; they differ only in fp32 accumulation order."""
+    otherwise `moe_experts_grouped`. Both round the same way; they differ only in fp32 accumulation order.
+    The weights may be narrower than x (bf16 experts, fp32 activations): the result is computed in x's dtype."""
     tm = triton_moe_for(x, ids, gate_up)
     if tm is not None:
         try:
             return tm.moe_experts_triton(x, weights, ids, gate_up, down)
         except Exception as e:  # noqa: BLE001 - any failure: fall back for good, loudly
             triton_failed("triton_moe", e)
-    return moe_experts_grouped(x, weights, ids, gate_up, down)
+    return moe_experts_grouped(x, weights, ids, gate_up.to(x.dtype), down.to(x.dtype))
 
 
 def moe_experts_grouped(

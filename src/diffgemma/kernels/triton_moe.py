@@ -8,15 +8,16 @@ Design. The pairs are sorted by expert (stable sort of the flat ids) and the seg
 `searchsorted`, sync-free. Kernel 1, grid (E * m_slots, cdiv(I, BLOCK_N)): a program of expert e loops over
 BLOCK_M-pair tiles of e's segment (none if it is empty; with m_slots > 1 the expert's programs take the tiles
 in turn), gathers the x rows inside the kernel, accumulates gate (rows nb*BLOCK_N.. of gate_up[e]) and up
-(rows I + nb*BLOCK_N..) in fp32 over H, rounds both to the weight dtype as the grouped GEMM's output is, and
-stores gelu_tanh(gate) * up (rounded like the eager bf16 ops) to `act` [N*k, I] in sorted order. Kernel 2,
-grid (E * m_slots, cdiv(H, BLOCK_N)): act @ down[e][cols].T, rounded to the weight dtype, stored to `y`
+(rows I + nb*BLOCK_N..) in fp32 over H, rounds both to x's dtype as the grouped GEMM's output is, and
+stores gelu_tanh(gate) * up (rounded like the eager ops) to `act` [N*k, I] in sorted order. Kernel 2,
+grid (E * m_slots, cdiv(H, BLOCK_N)): act @ down[e][cols].T, rounded to x's dtype, stored to `y`
 [N*k, H] in sorted order, as the grouped GEMM's output is; the combine (`fused.post_ffn`) weights each row's
 k outputs in fp32 and sums them: deterministic (no atomics), and the same rounding sequence as the grouped
 path. (Kernel 2 used to weight its outputs and store them in fp32 in (row, j) order: twice the bytes written
 and read back.) H and I are compile-time constants (one compile per model shape). Tile sizes come from a fixed table
 (`CONFIGS`, chosen by `DEFAULT_CONFIG`), never autotuned at run time: the step is captured in a CUDA graph.
-`bench/moe_kernels.py` times the candidates.
+`bench/moe_kernels.py` times the candidates. fp32 activations on bf16 weights (a short prompt's prefill, seed rule
+7) keep fp32 throughout, with fp32-grade products from three bf16 MMAs (`_mma`).
 """
 
 from __future__ import annotations
@@ -89,12 +90,31 @@ def _gelu_tanh(g):
 
 
 @triton.jit
-def _mma(a, w, acc, SWAP_AB: tl.constexpr, UPCAST_DOT: tl.constexpr):
+def _dot(a, w, acc, SWAP_AB: tl.constexpr, UPCAST_DOT: tl.constexpr):
     """acc += a [M, K] @ w [N, K].T, acc laid out [N, M] when SWAP_AB."""
     if UPCAST_DOT:
         a = a.to(tl.float32)
         w = w.to(tl.float32)
     return tl.dot(w, tl.trans(a), acc) if SWAP_AB else tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
+def _mma(a, w, acc, SWAP_AB: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT3: tl.constexpr):
+    """acc += a @ w.T (`_dot`). SPLIT3: a is fp32 and w bf16; a is cut into three bf16 parts,
+    a = hi + mid + lo to within 2^-24 relative (each part holds the next 8 bits of the remainder), and each part
+    is multiplied exactly on the tensor cores: fp32-grade products at the price of three 16-bit MMAs, not of
+    an fp32 copy of the weights or of CUDA-core fp32 dots."""
+    if SPLIT3:
+        hi = a.to(tl.bfloat16)
+        r = a - hi.to(tl.float32)
+        mid = r.to(tl.bfloat16)
+        lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+        acc = _dot(lo, w, acc, SWAP_AB, UPCAST_DOT)
+        acc = _dot(mid, w, acc, SWAP_AB, UPCAST_DOT)
+        acc = _dot(hi, w, acc, SWAP_AB, UPCAST_DOT)
+    else:  # one return: code after a constexpr branch's return is still compiled
+        acc = _dot(a, w, acc, SWAP_AB, UPCAST_DOT)
+    return acc
 
 
 @triton.jit
@@ -120,6 +140,7 @@ def _gate_up_kernel(
     INTER: tl.constexpr,
     SWAP_AB: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    SPLIT3: tl.constexpr,
 ):
     e = tl.program_id(0) // M_SLOTS
     start = tl.load(bounds_ptr + e)
@@ -129,7 +150,7 @@ def _gate_up_kernel(
     ks = tl.arange(0, BLOCK_K)
     w_gate = gu_ptr + e.to(tl.int64) * stride_ge + cols[:, None] * stride_gr + ks[None, :] * stride_gh
     w_up = w_gate + INTER * stride_gr
-    wdt = gu_ptr.dtype.element_ty
+    adt = act_ptr.dtype.element_ty  # x's dtype: where the grouped path rounds
     acc_shape: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N)
     m0 = start + (tl.program_id(0) % M_SLOTS) * BLOCK_M
     while m0 < end:  # not range(start, end, ..): the interpreter cannot index with loaded scalars
@@ -147,18 +168,18 @@ def _gate_up_kernel(
                 k_ok = (k0 + ks) < H
                 x_mask = row_ok[:, None] & k_ok[None, :]
                 w_mask = col_ok[:, None] & k_ok[None, :]
-            xs = tl.load(x_tile + k0 * stride_xh, mask=x_mask, other=0.0).to(wdt)
+            xs = tl.load(x_tile + k0 * stride_xh, mask=x_mask, other=0.0).to(adt)
             wg = tl.load(w_gate + k0 * stride_gh, mask=w_mask, other=0.0)
             wu = tl.load(w_up + k0 * stride_gh, mask=w_mask, other=0.0)
-            acc_g = _mma(xs, wg, acc_g, SWAP_AB, UPCAST_DOT)
-            acc_u = _mma(xs, wu, acc_u, SWAP_AB, UPCAST_DOT)
+            acc_g = _mma(xs, wg, acc_g, SWAP_AB, UPCAST_DOT, SPLIT3)
+            acc_u = _mma(xs, wu, acc_u, SWAP_AB, UPCAST_DOT, SPLIT3)
         if SWAP_AB:
             acc_g = tl.trans(acc_g)
             acc_u = tl.trans(acc_u)
         # round where the grouped path rounds: its GEMM output, the gelu, the product
-        gate = acc_g.to(wdt).to(tl.float32)
-        up = acc_u.to(wdt).to(tl.float32)
-        act = (_gelu_tanh(gate).to(wdt).to(tl.float32) * up).to(wdt)
+        gate = acc_g.to(adt).to(tl.float32)
+        up = acc_u.to(adt).to(tl.float32)
+        act = (_gelu_tanh(gate).to(adt).to(tl.float32) * up).to(adt)
         dst = act_ptr + pos[:, None] * stride_an + cols[None, :] * stride_ai
         tl.store(dst, act, mask=row_ok[:, None] & col_ok[None, :])
         m0 += M_SLOTS * BLOCK_M
@@ -185,6 +206,7 @@ def _down_kernel(
     INTER: tl.constexpr,
     SWAP_AB: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    SPLIT3: tl.constexpr,
 ):
     e = tl.program_id(0) // M_SLOTS
     start = tl.load(bounds_ptr + e)
@@ -193,7 +215,6 @@ def _down_kernel(
     col_ok = cols < H
     ks = tl.arange(0, BLOCK_K)
     w_tile = dn_ptr + e.to(tl.int64) * stride_de + cols[:, None] * stride_dh + ks[None, :] * stride_di
-    wdt = dn_ptr.dtype.element_ty
     acc_shape: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N)
     m0 = start + (tl.program_id(0) % M_SLOTS) * BLOCK_M
     while m0 < end:  # not range(start, end, ..): the interpreter cannot index with loaded scalars
@@ -211,11 +232,11 @@ def _down_kernel(
                 w_mask = col_ok[:, None] & k_ok[None, :]
             a = tl.load(a_tile + k0 * stride_ai, mask=a_mask, other=0.0)
             w = tl.load(w_tile + k0 * stride_di, mask=w_mask, other=0.0)
-            acc = _mma(a, w, acc, SWAP_AB, UPCAST_DOT)
+            acc = _mma(a, w, acc, SWAP_AB, UPCAST_DOT, SPLIT3)
         if SWAP_AB:
             acc = tl.trans(acc)
         dst = y_ptr + pos[:, None] * stride_yn + cols[None, :] * stride_yh
-        tl.store(dst, acc.to(wdt), mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
         m0 += M_SLOTS * BLOCK_M
 
 
@@ -227,7 +248,18 @@ def sort_pairs(ids: torch.Tensor, n_exp: int) -> tuple[torch.Tensor, torch.Tenso
     return perm, torch.searchsorted(sorted_ids, experts, out_int32=True)
 
 
-def _launch_options(tiles: Tiles, h: int, inter: int) -> dict:
+def _split3(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """fp32 activations on bf16 weights (a short prompt's prefill, seed rule 7): `_mma`'s three-way split."""
+    if x.dtype == w.dtype:
+        return False
+    if x.dtype == torch.float32 and w.dtype == torch.bfloat16:
+        return True
+    raise ValueError(
+        f"triton_moe takes activations in the weights' dtype or fp32 on bf16, got {x.dtype} on {w.dtype}"
+    )
+
+
+def _launch_options(tiles: Tiles, h: int, inter: int, split3: bool) -> dict:
     """The compile-time constants and launch shape both kernels take."""
     return dict(
         BLOCK_M=tiles.block_m,
@@ -238,6 +270,7 @@ def _launch_options(tiles: Tiles, h: int, inter: int) -> dict:
         INTER=inter,
         SWAP_AB=tiles.swap_ab,
         UPCAST_DOT=_UPCAST_DOT,
+        SPLIT3=split3,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -251,10 +284,10 @@ def gate_up_act(
     top_k: int,
     tiles: Tiles,
 ) -> torch.Tensor:
-    """Kernel 1: act [N*k, I] (weight dtype, sorted pair order) = gelu_tanh(gate) * up."""
+    """Kernel 1: act [N*k, I] (x's dtype, sorted pair order) = gelu_tanh(gate) * up."""
     n_exp, two_i, h = gate_up.shape
     inter = two_i // 2
-    act = torch.empty(perm.shape[0], inter, device=x.device, dtype=gate_up.dtype)
+    act = torch.empty(perm.shape[0], inter, device=x.device, dtype=x.dtype)
     grid = (n_exp * tiles.m_slots, triton.cdiv(inter, tiles.block_n))
     _gate_up_kernel[grid](
         x,
@@ -266,15 +299,15 @@ def gate_up_act(
         *x.stride(),
         *gate_up.stride(),
         *act.stride(),
-        **_launch_options(tiles, h, inter),
+        **_launch_options(tiles, h, inter, _split3(x, gate_up)),
     )
     return act
 
 
 def down_sorted(act: torch.Tensor, down: torch.Tensor, bounds: torch.Tensor, tiles: Tiles) -> torch.Tensor:
-    """Kernel 2: y [N*k, H] (weight dtype, sorted pair order) = act @ down[e].T."""
+    """Kernel 2: y [N*k, H] (act's dtype, sorted pair order) = act @ down[e].T."""
     n_exp, h, inter = down.shape
-    y = torch.empty(act.shape[0], h, device=act.device, dtype=down.dtype)
+    y = torch.empty(act.shape[0], h, device=act.device, dtype=act.dtype)
     grid = (n_exp * tiles.m_slots, triton.cdiv(h, tiles.block_n))
     _down_kernel[grid](
         act,
@@ -284,7 +317,7 @@ def down_sorted(act: torch.Tensor, down: torch.Tensor, bounds: torch.Tensor, til
         *act.stride(),
         *down.stride(),
         *y.stride(),
-        **_launch_options(tiles, h, inter),
+        **_launch_options(tiles, h, inter, _split3(act, down)),
     )
     return y
 

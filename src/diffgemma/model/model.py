@@ -419,8 +419,11 @@ class DiffusionGemma(nn.Module):
             eps,
         )
         x2 = ops.rms_norm(h, layer.pre_feedforward_layernorm_2, eps)
-        experts = experts or (fast_ops.moe_experts if self.is_fast else ops.moe_experts)
-        moe = experts(x2, weights, ids, layer.experts_gate_up.to(dt), layer.experts_down.to(dt))
+        if experts is None and self.is_fast:  # in x2's dtype, without a copy of the experts in it
+            moe = fast_ops.moe_experts(x2, weights, ids, layer.experts_gate_up, layer.experts_down)
+        else:
+            experts = experts or ops.moe_experts
+            moe = experts(x2, weights, ids, layer.experts_gate_up.to(dt), layer.experts_down.to(dt))
         moe = ops.rms_norm(moe, layer.post_feedforward_layernorm_2, eps)
         return ops.rms_norm(dense + moe, layer.post_feedforward_layernorm, eps)
 
