@@ -69,3 +69,16 @@ def test_conversation_reuses_the_common_prefix_and_rewinds(eng):
     with pytest.raises(ValueError, match="does not fit"):
         conv.generate(list(range(3, 600)))
     assert conv.kv.length == len(conv.log)
+
+
+def test_one_shot_calls_reuse_the_engines_cache_and_match_a_fresh_engine(tiny_a, eng):
+    """Calls without `kv` empty and reuse one cache (the denoise graphs are tied to a cache): a call after
+    another gives what a fresh engine gives, and a longer request grows the cache."""
+    fresh = diffgemma.load(tiny_a, device="cpu", dtype="float32", max_denoising_steps=3)
+    want = fresh.generate("a first question", max_new_tokens=12, seed=5).token_ids
+    eng.generate("something else entirely, to leave K/V behind", max_new_tokens=30, seed=9)
+    kv = eng._kv
+    assert eng.generate("a first question", max_new_tokens=12, seed=5).token_ids == want
+    assert eng._kv is kv
+    eng.generate("a long one", max_new_tokens=kv.max_tokens + 10, seed=1)
+    assert eng._kv is not kv and eng._kv.max_tokens > kv.max_tokens

@@ -285,7 +285,13 @@ class OursRunner:
     def generate(self, prompt: list[int], steps: int, new_tokens: int):
         from diffgemma.engine.generate import generate
 
-        self.new_cache(len(prompt) + new_tokens)
+        # as Engine.generate does: one cache emptied per call, so its captured graphs serve every call
+        if (
+            self.kv is None
+            or self.kv.max_tokens < len(prompt) + new_tokens + 2 * self.model.cfg.canvas_length
+        ):
+            self.new_cache(len(prompt) + new_tokens)
+        self.kv.reset()
         return generate(self.model, prompt, self.kv, fixed_steps_sampler(steps), max_new_tokens=new_tokens)
 
 

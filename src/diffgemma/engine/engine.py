@@ -63,6 +63,9 @@ class Engine:
         self.path = path
         self.max_tokens = max_tokens
         self.tokenizer = tokenizer
+        # The cache of calls without `kv`, reset and reused while big enough: the model's captured denoise
+        # graphs are tied to a cache, so a fresh one per call would capture them again each time.
+        self._kv: KVCache | None = None
 
     def prompt_ids(
         self,
@@ -105,6 +108,15 @@ class Engine:
     def new_cache(self, max_tokens: int | None = None) -> KVCache:
         return self.model.new_cache(max_tokens or self.max_tokens)
 
+    def _one_shot_cache(self, need: int) -> KVCache:
+        """The engine's own cache, emptied, with room for `need` tokens (allocated anew only to grow)."""
+        size = max(self.max_tokens, need)
+        if self._kv is None or self._kv.max_tokens < size or self._kv.device != self.model.device:
+            self._kv = None  # free the old one before allocating its successor
+            self._kv = self.new_cache(size)
+        self._kv.reset()
+        return self._kv
+
     def generate(
         self,
         prompt_ids: Prompt,
@@ -123,15 +135,15 @@ class Engine:
     ) -> GenerateOutput:
         """Generate a reply. The prompt is token ids, a string (one user turn) or an OpenAI-style message list;
         with a tokenizer, out.text / out.reasoning / out.tool_calls are set. With `kv`, the prompt is the tokens
-        not yet cached and the cache is extended in place (multi-turn reuse); without it a fresh cache is used."""
+        not yet cached and the cache is extended in place (multi-turn reuse); without it the engine's own cache is
+        emptied and used (one generation at a time per engine)."""
         prompt_ids = self.prompt_ids(prompt_ids, think=think, tools=tools, raw=raw)
         cfg = sampler or self.sampler
         if sampler_overrides:
             cfg = dataclasses.replace(cfg, **sampler_overrides).validated()
         max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
         if kv is None:
-            need = len(prompt_ids) + max_new + self.config.canvas_length
-            kv = self.new_cache(max(self.max_tokens, need))
+            kv = self._one_shot_cache(len(prompt_ids) + max_new + self.config.canvas_length)
         elif kv.length + len(prompt_ids) >= kv.max_tokens:
             raise ValueError(
                 f"prompt of {len(prompt_ids)} tokens does not fit the context ({kv.length}/{kv.max_tokens} used)"
