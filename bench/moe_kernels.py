@@ -138,6 +138,17 @@ def bench_crossover(gate_up, down, g) -> list[dict]:
     return rows
 
 
+def sweep_tma_tiles() -> list[tm.Tiles]:
+    """The weights through TMA descriptors, 32 x 2 pairs (the best pointer-load shape): N and K blocks,
+    stages (within ~200 KB of shared memory for gate_up's two weight tiles and x's), plain or swapped MMA."""
+    out = []
+    for bn, bk, stages, swap in itertools.product((64, 128), (64, 128, 256), (3, 4, 5), (False, True)):
+        if 2 * stages * (32 * bk + 2 * bn * bk) > 200 * 1024:
+            continue
+        out.append(tm.Tiles(32, bn, bk, num_stages=stages, m_slots=2, swap_ab=swap, tma=True))
+    return out
+
+
 def sweep_tiles() -> list[tm.Tiles]:
     """~70 shapes around the named configs: (block_m, m_slots) in 16x1, 32x1, 16x2, 32x2, the N and K blocks,
     warps 4/8 (8 only with 64+ columns), 3/4 stages (3 only for the larger tiles), plain or swapped MMA."""
@@ -152,8 +163,9 @@ def sweep_tiles() -> list[tm.Tiles]:
     return out
 
 
-def bench_sweep(gate_up, down, x, g, only: str | None = None) -> list[dict]:
-    """Each kernel alone (uniform routing) over a grid of tile shapes (`only`: one of them, m_slots 2)."""
+def bench_sweep(gate_up, down, x, g, only: str | None = None, tma: bool = False) -> list[dict]:
+    """Each kernel alone (uniform routing) over a grid of tile shapes (`only`: one of them, m_slots 2; `tma`:
+    the TMA grid)."""
     w, ids = routing("uniform", None, g)
     perm, bounds = tm.sort_pairs(ids, E)
     act = tm.gate_up_act(x, gate_up, perm, bounds, K, tm.Tiles())
@@ -162,7 +174,7 @@ def bench_sweep(gate_up, down, x, g, only: str | None = None) -> list[dict]:
         "down": (down.numel() * 2, lambda t: tm.down_sorted(act, down, bounds, t)),
     }
     rows = []
-    tiles = sweep_tiles()
+    tiles = sweep_tma_tiles() if tma else sweep_tiles()
     if only:
         kernels = {only: kernels[only]}
         tiles = [t for t in tiles if t.m_slots == 2]
@@ -192,6 +204,7 @@ def main() -> None:
     p.add_argument("--ids", default=None, help="torch.save'd routing ids [256, 8] to bench as well")
     p.add_argument("--sweep", action="store_true", help="also time each kernel over a grid of tiles")
     p.add_argument("--sweep-only", choices=("gate_up", "down"), help="sweep this kernel alone, m_slots 2")
+    p.add_argument("--tma", action="store_true", help="sweep the weights-through-TMA tile grid instead")
     args = p.parse_args()
 
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -215,7 +228,7 @@ def main() -> None:
     )
     result["crossover"] = bench_crossover(gate_up, down, g)
     if args.sweep:
-        result["sweep"] = bench_sweep(gate_up, down, x, g, args.sweep_only)
+        result["sweep"] = bench_sweep(gate_up, down, x, g, args.sweep_only, args.tma)
     if os.environ.get("OUT"):
         path = Path(os.environ["OUT"]) / "moe_kernels.json"
         path.write_text(json.dumps(result, indent=1))

@@ -48,6 +48,11 @@ def _check_moe() -> None:
             tm.Tiles(block_n=16, block_k=32, m_slots=2), tm.Tiles(block_n=16, block_k=16, m_slots=2)
         ),
         "swap": tm.MoeConfig(tm.Tiles(block_n=16, swap_ab=True), tm.Tiles(block_k=16, swap_ab=True)),
+        # weights through TMA descriptors: column blocks past I / H read the next rows (not stored), K past I
+        # reads zeros
+        "tma": tm.MoeConfig(
+            tm.Tiles(block_n=64, block_k=32, m_slots=2, tma=True), tm.Tiles(block_n=128, block_k=64, tma=True)
+        ),
     }
     want = ref.moe_experts(x.double(), weights.double(), ids, gate_up.double(), down.double())
     for name, cfg in configs.items():

@@ -79,7 +79,7 @@ def test_device_length_kernels_compile_for_sm90():
     sig.update(
         dict.fromkeys(("stride_qh", "stride_qm", "stride_kh", "stride_kn", "stride_vh", "stride_vn"), "i32")
     )
-    consts = {"D": 256, "BLOCK_M": 64, "BLOCK_N": 64, "SPLIT_BLOCKS": 10, "HAS_SPAN": True}
+    consts = {"D": 256, "BLOCK_M": 64, "BLOCK_N": 64, "SPLIT_BLOCKS": 10, "HAS_SPAN": True, "PDL": True}
     ptx = _ptx(ta._splitkv_kernel, sig, consts, {"num_warps": 4, "num_stages": 3})
     assert re.search(r"mma\S*\.bf16\.bf16", ptx)
     sig = {"x_ptr": "*fp32", "y_ptr": "*bf16", "valid_ptr": "*i32"}
@@ -88,35 +88,51 @@ def test_device_length_kernels_compile_for_sm90():
     assert re.search(r"ex2\.approx", ptx)  # the exponentials, on the fast path
 
 
+def _moe_ptx(kernel: str, act: str, tma: bool, pdl: bool = True) -> str:
+    """An expert kernel for sm_90 at the real shape: activations `act` ("fp32", "bf16") on bf16 weights,
+    passed as pointers or as TMA descriptors (tiles of 64 x 128)."""
+    from diffgemma.kernels import triton_moe as tm
+
+    w = "tensordesc<bf16[64, 128]>" if tma else "*bf16"
+    if kernel == "_gate_up_kernel":
+        sig = {
+            "x_ptr": f"*{act}",
+            "gu_ptr": w,
+            "act_ptr": f"*{act}",
+            "perm_ptr": "*i64",
+            "bounds_ptr": "*i32",
+        }
+        names = ("TOP_K", "stride_xn", "stride_xh", "stride_ge", "stride_gr", "stride_gh", "stride_an")
+        names += ("stride_ai",)
+    else:
+        sig = {"act_ptr": f"*{act}", "dn_ptr": w, "bounds_ptr": "*i32", "y_ptr": f"*{act}"}
+        names = ("stride_an", "stride_ai", "stride_de", "stride_dh", "stride_di", "stride_yn", "stride_yh")
+    sig.update(dict.fromkeys(names, "i32"))
+    consts = {"BLOCK_M": 32, "M_SLOTS": 2, "BLOCK_N": 64, "BLOCK_K": 128, "H": 2816, "INTER": 704}
+    consts.update(SWAP_AB=False, UPCAST_DOT=False, SPLIT3=act == "fp32", TMA=tma, PDL=pdl)
+    return _ptx(getattr(tm, kernel), sig, consts, {"num_warps": 4, "num_stages": 3})
+
+
 @pytest.mark.parametrize("kernel", ["_gate_up_kernel", "_down_kernel"])
 def test_moe_fp32_activations_compile_to_bf16_tensor_core_products(kernel):
     # fp32 activations on bf16 experts (a short prompt's prefill): x cut into three bf16 parts, each multiplied
     # by a bf16 MMA (a first version did not compile for sm_90: a constexpr branch's early return)
-    from diffgemma.kernels import triton_moe as tm
+    assert re.search(r"mma\S*\.bf16\.bf16", _moe_ptx(kernel, "fp32", tma=False))
 
-    if kernel == "_gate_up_kernel":
-        sig = {
-            "x_ptr": "*fp32",
-            "gu_ptr": "*bf16",
-            "act_ptr": "*fp32",
-            "perm_ptr": "*i64",
-            "bounds_ptr": "*i32",
-        }
-        names = (
-            "TOP_K",
-            "stride_xn",
-            "stride_xh",
-            "stride_ge",
-            "stride_gr",
-            "stride_gh",
-            "stride_an",
-            "stride_ai",
-        )
-    else:
-        sig = {"act_ptr": "*fp32", "dn_ptr": "*bf16", "bounds_ptr": "*i32", "y_ptr": "*fp32"}
-        names = ("stride_an", "stride_ai", "stride_de", "stride_dh", "stride_di", "stride_yn", "stride_yh")
-    sig.update(dict.fromkeys(names, "i32"))
-    consts = {"BLOCK_M": 32, "M_SLOTS": 2, "BLOCK_N": 64, "BLOCK_K": 128, "H": 2816, "INTER": 704}
-    consts.update(SWAP_AB=False, UPCAST_DOT=False, SPLIT3=True)
-    ptx = _ptx(getattr(tm, kernel), sig, consts, {"num_warps": 4, "num_stages": 3})
-    assert re.search(r"mma\S*\.bf16\.bf16", ptx)
+
+@pytest.mark.parametrize("kernel", ["_gate_up_kernel", "_down_kernel"])
+def test_moe_weights_through_tma_compile_to_bulk_tensor_loads(kernel):
+    ptx = _moe_ptx(kernel, "bf16", tma=True)
+    assert "cp.async.bulk.tensor" in ptx and re.search(r"mma\S*\.bf16\.bf16", ptx)
+    assert "cp.async.bulk.tensor" not in _moe_ptx(kernel, "bf16", tma=False)
+
+
+@pytest.mark.parametrize("kernel", ["_gate_up_kernel", "_down_kernel"])
+def test_pdl_kernels_wait_for_their_predecessor_first(kernel):
+    # a kernel launched with PDL may run beside its predecessor: it must wait before any memory access
+    ptx = _moe_ptx(kernel, "bf16", tma=True)
+    body = ptx[ptx.index(".entry") :]
+    wait = body.index("griddepcontrol.wait")
+    assert "griddepcontrol.launch_dependents" in body
+    assert not re.search(r"\b(ld\.global|st\.global|cp\.async|atom)", body[:wait])
+    assert "griddepcontrol" not in _moe_ptx(kernel, "bf16", tma=True, pdl=False)

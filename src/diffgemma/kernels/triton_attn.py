@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from diffgemma.kernels import pdl
+
 # Chosen on the H200 at the sliding shape (bench/attention_denoise.py --splitkv-sweep): 21 us. These tiles
 # take 164-224 KB of shared memory (2-3 stages), one program an SM, and one wave of programs (2 splits of
 # 8 x 8 row blocks and heads: 128) beat two (4 splits of the same tiles: 27-29 us); block_m 128 with 8 warps
@@ -64,7 +66,9 @@ def _splitkv_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT_BLOCKS: tl.constexpr,
     HAS_SPAN: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     head = tl.program_id(1)
     split = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -127,7 +131,9 @@ def _combine_kernel(
     SPLITS: tl.constexpr,
     D: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     head = tl.program_id(1)
     heads = tl.num_programs(1)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -238,6 +244,7 @@ def attention_splitkv(
     if splits is None:
         splits = _auto_splits(row_blocks * hkv, key_blocks, _sm_count(q.device))
     f32 = {"device": q.device, "dtype": torch.float32}
+    pdl_on = pdl.enabled(q.device)
     acc = torch.empty(splits, hkv, m_rows, d, **f32)
     maxes = torch.empty(splits, hkv, m_rows, **f32)
     sums = torch.empty(splits, hkv, m_rows, **f32)
@@ -264,8 +271,10 @@ def attention_splitkv(
         BLOCK_N=block_n,
         SPLIT_BLOCKS=triton.cdiv(key_blocks, splits),
         HAS_SPAN=span is not None,
+        PDL=pdl_on,
         num_warps=num_warps,
         num_stages=num_stages,
+        launch_pdl=pdl_on,
     )
     result = out if out is not None else torch.empty(1, hkv, m_rows, d, device=q.device, dtype=q.dtype)
     dst = result if out is not None else result.view(hkv, 1, m_rows, d)
@@ -282,7 +291,9 @@ def attention_splitkv(
         SPLITS=splits,
         D=d,
         BLOCK_R=COMBINE_ROWS,
+        PDL=pdl_on,
         num_warps=4,
+        launch_pdl=pdl_on,
     )
     return result
 

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from diffgemma.kernels import pdl
+
 NUM_WARPS = 4
 
 
@@ -44,7 +46,9 @@ def _topk_kernel(
     K: tl.constexpr,
     K_P2: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     """Pass 1 for BLOCK_ROWS rows: softmax, top-k, weights; each pair's rank among this block's earlier pairs
     of its expert, and the block's count per expert."""
     block = tl.program_id(0)
@@ -105,7 +109,9 @@ def _slot_kernel(
     K_P2: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     """Pass 2 for the pairs of one row block: its first slot per expert (each expert's start, from all blocks'
     counts, plus the counts of the blocks before it), each pair's slot = that + its rank; perm the inverse.
     Program 0 also writes the bounds."""
@@ -164,7 +170,8 @@ def route_sort(
     bounds = torch.empty(n_exp + 1, device=dev, dtype=torch.int32)
     perm = torch.empty(n * top_k, device=dev, dtype=torch.int64)
     slot = torch.empty(n * top_k, device=dev, dtype=torch.int64)
-    consts = dict(E=n_exp, E_P2=e_p2, num_warps=NUM_WARPS)
+    pdl_on = pdl.enabled(dev)
+    consts = dict(E=n_exp, E_P2=e_p2, num_warps=NUM_WARPS, PDL=pdl_on, launch_pdl=pdl_on)
     _topk_kernel[(n_blocks,)](
         logits,
         per_expert_scale,
