@@ -85,6 +85,9 @@ CONFIGS: dict[str, MoeConfig] = {
     ),
 }
 DEFAULT_CONFIG = "m32_s2_tma"
+# fp32 activations (three MMAs a step) through TMA took 16.8 ms a layer for gate_up in a 200-token prefill,
+# against 0.79 ms with pointer loads (bench/results/moe_tma/README.md).
+SPLIT3_CONFIG = "m32_s2"
 
 # The interpreter multiplies bf16 operands of tl.dot as their raw uint16 bits; under it the operands go to
 # the dot as fp32 (exact products, so the interpreter still checks the kernels' indexing and rounding).
@@ -372,8 +375,9 @@ def moe_experts_triton(
     config: MoeConfig | None = None,
 ) -> torch.Tensor:
     """cuda.moe_experts as two Triton kernels. x [N, H]; weights [N, k]; ids [N, k]; gate_up [E, 2I, H];
-    down [E, H, I] -> [N, H] in x's dtype. `config` overrides CONFIGS[DEFAULT_CONFIG] (benchmarks)."""
-    cfg = config or CONFIGS[DEFAULT_CONFIG]
+    down [E, H, I] -> [N, H] in x's dtype. `config` overrides CONFIGS[DEFAULT_CONFIG] (SPLIT3_CONFIG for
+    fp32 x on bf16 weights) (benchmarks)."""
+    cfg = config or CONFIGS[SPLIT3_CONFIG if _split3(x, gate_up) else DEFAULT_CONFIG]
     n, k = ids.shape
     perm, bounds = sort_pairs(ids, gate_up.shape[0])
     act = gate_up_act(x, gate_up, perm, bounds, k, cfg.gate_up)
