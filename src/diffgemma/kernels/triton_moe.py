@@ -291,6 +291,11 @@ def _split3(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
+def config_for(x: torch.Tensor, w: torch.Tensor) -> MoeConfig:
+    """The tiles for activations x on expert weights w: SPLIT3_CONFIG for fp32 on bf16, else DEFAULT_CONFIG."""
+    return CONFIGS[SPLIT3_CONFIG if _split3(x, w) else DEFAULT_CONFIG]
+
+
 def _weight_descriptor(w: torch.Tensor, tiles: Tiles) -> TensorDescriptor:
     """A TMA descriptor of expert weights [E, R, K] as one [E * R, K] matrix, tiles of block_n x block_k."""
     e, r, k = w.shape
@@ -375,9 +380,8 @@ def moe_experts_triton(
     config: MoeConfig | None = None,
 ) -> torch.Tensor:
     """cuda.moe_experts as two Triton kernels. x [N, H]; weights [N, k]; ids [N, k]; gate_up [E, 2I, H];
-    down [E, H, I] -> [N, H] in x's dtype. `config` overrides CONFIGS[DEFAULT_CONFIG] (SPLIT3_CONFIG for
-    fp32 x on bf16 weights) (benchmarks)."""
-    cfg = config or CONFIGS[SPLIT3_CONFIG if _split3(x, gate_up) else DEFAULT_CONFIG]
+    down [E, H, I] -> [N, H] in x's dtype. `config` overrides `config_for` (benchmarks)."""
+    cfg = config or config_for(x, gate_up)
     n, k = ids.shape
     perm, bounds = sort_pairs(ids, gate_up.shape[0])
     act = gate_up_act(x, gate_up, perm, bounds, k, cfg.gate_up)
