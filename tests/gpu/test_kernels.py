@@ -116,6 +116,50 @@ def test_graphed_denoise_matches_eager(tmp_path):
     assert not any(r.failed for r in m.fused_regions.values())
 
 
+def test_denoise_graphs_of_recent_key_buckets_are_kept(tmp_path, monkeypatch):
+    """The engine's cache emptied for a request shorter than the last one: with FULL_KEY_BUCKET at 32 the two
+    lengths below fall in different key buckets (64 and 96), and the shorter one's graph, kept, replays instead
+    of being captured again; with GRAPH_BUCKETS at 1 only the last bucket's graph is kept. Every replay matches
+    the step run eagerly. A graph's own output (copy=False) is held past its graph's eviction, as a caller may:
+    the pool it lives in cannot take another capture."""
+    from diffgemma.kernels import cuda as fast_ops
+    from diffgemma.model import model as model_module
+
+    monkeypatch.setattr(model_module, "FULL_KEY_BUCKET", 32)
+    captures = []
+    real_step = fast_ops.GraphStep
+
+    def graph_step(*args, **kwargs):
+        captures.append(1)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(fast_ops, "GraphStep", graph_step)
+    m, canvas, kv = _tiny_bf16_model_with_prompt(tmp_path)
+    m.fast, m.fuse = True, True
+    g = torch.Generator().manual_seed(1)
+    short = torch.randint(0, m.cfg.vocab_size, (1, 40), generator=g)
+    long = torch.randint(0, m.cfg.vocab_size, (1, 60), generator=g)
+
+    held = []
+
+    def captures_at(prompt: torch.Tensor) -> int:
+        m.use_graphs = False  # the prefill's own graph stays out of the count
+        kv.reset()
+        m.prefill(prompt, kv)
+        want = m.denoise(canvas, kv)
+        m.use_graphs = True
+        before = len(captures)
+        for _ in range(2):
+            assert rel(m.denoise(canvas, kv), want) < 1e-3, kv.length
+        held.append(m.denoise(canvas, kv, copy=False))
+        return len(captures) - before
+
+    assert [captures_at(short), captures_at(long)] == [1, 1]
+    assert [captures_at(short), captures_at(long)] == [0, 0]
+    monkeypatch.setattr(model_module, "GRAPH_BUCKETS", 1)  # the last one used (long's) stays
+    assert [captures_at(long), captures_at(short), captures_at(long)] == [0, 1, 1]
+
+
 def test_generate_writes_sc_into_the_graph_buffer(tmp_path, monkeypatch):
     """The sampler writes the next SC input straight into the captured graph's input buffer and reads the
     graph's logits without a copy: the same ids as the copying path, over two blocks (one graph serves both)."""

@@ -408,7 +408,7 @@ class GraphStep:
         self.sc = None if sc is None else sc.clone()
         self.fn = fn
         if warm_up:  # outside capture: compiles, cuBLAS handles, SDPA workspaces
-            stream = torch.cuda.Stream()
+            stream = _warm_up_stream(torch.cuda.current_device())
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 fn(self.ids, self.sc)
@@ -423,3 +423,11 @@ class GraphStep:
             self.sc.copy_(sc, non_blocking=True)
         self.graph.replay()
         return self.out
+
+
+@functools.cache
+def _warm_up_stream(device: int) -> torch.cuda.Stream:
+    """One warm-up stream per device. torch keeps a cuBLAS workspace per (handle, stream) for the process's life:
+    with a new stream per capture, memory grew ~64 MiB a key bucket captured, and stopped growing with this
+    (bench/results/session15/call6_warm_up_stream.txt)."""
+    return torch.cuda.Stream(device)

@@ -34,6 +34,13 @@ PREFILL_GRAPH_BUCKET = 256
 # (bench/results/generate_overhead/), 1,000 keys of the full layers' attention ~0.1 ms a step, so 1,024 saves
 # ~26 ms a block of 48 steps for ~3 ms; 4,096 would save ~33 ms for ~11.
 FULL_KEY_BUCKET = 1024
+# Key buckets whose denoise graphs a cache keeps, least recently used dropped first: one-shot requests of
+# different lengths on the engine's cache, or a conversation rewound below a bucket, replay instead of capturing
+# again (two captures a bucket, ~0.14 s on the H200: bench/results/generate_overhead/session14_chat.json). A short
+# chat turn's blocks alternate between two buckets: 3.39 s a turn kept against 3.72 recaptured
+# (bench/results/session15/call1_s15.txt). The cost at the real shape: a bucket's two graphs keep their fp32 logits and SC input
+# (256 x 262,144 each): 0.75 GiB a bucket measured, 3.0 GiB for four (bench/results/session15/call6_*.txt).
+GRAPH_BUCKETS = 4
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -149,8 +156,11 @@ class DiffusionGemma(nn.Module):
         self.fused_regions = fused_ops.make_regions()
         # The same regions for the prefill (also on when is_fused): compiled with a symbolic token count.
         self.prefill_regions = fused_ops.make_regions(dynamic=True)
-        self._graphs: dict = {}
-        self._graph_cache_key: tuple | None = None
+        self._graphs: dict[
+            int, dict[tuple, fast_ops.GraphStep]
+        ] = {}  # key bucket -> mode -> graph, LRU first
+        self._graph_cache: tuple | None = None  # the cache they were captured on
+        self._graph_pool = None  # one memory pool for them: they replay one at a time
         self._geometry: torch.Tensor | None = None  # the denoise's `KVCache.denoise_geometry`, on the device
         self._prefill_graphs: dict[int, fast_ops.GraphStep | None] = {}  # bucket -> graph (None: ran eagerly)
         self._prefill_stage: KVCache | None = None  # where `_prefill_padded` writes K/V
@@ -283,35 +293,47 @@ class DiffusionGemma(nn.Module):
     def _denoise_graphed(
         self, canvas: torch.Tensor, kv: KVCache, sc_probs: torch.Tensor | None, sc_seed: bool
     ) -> torch.Tensor:
-        """Replay (capturing on first use) the fused denoise graph for this cache. It reads the cache length on
-        the device, so it serves every block until the full layers' keys outgrow their bucket; graphs of another
-        cache or bucket are dropped."""
-        key = self._graph_key(kv, canvas.shape[0])
-        if key != self._graph_cache_key:
+        """Replay (capturing on first use) the fused denoise graph for this cache, key bucket and mode. It reads
+        the cache length on the device, so it serves every block until the full layers' keys outgrow their bucket;
+        the last GRAPH_BUCKETS buckets' graphs are kept, those of another cache dropped."""
+        c = canvas.shape[0]
+        cache = self._graph_key(kv)
+        if cache != self._graph_cache:
             self._graphs.clear()
-            self._graph_cache_key = key
-        mode = (canvas.shape[0], sc_probs is not None, sc_seed)
-        step = self._graphs.get(mode)
+            self._graph_cache = cache
+        bucket = self._full_keys(kv, c)
+        graphs = self._graphs.pop(bucket, {})
+        self._graphs[bucket] = graphs  # the most recently used last
+        while len(self._graphs) > GRAPH_BUCKETS:
+            del self._graphs[next(iter(self._graphs))]
+        mode = (c, sc_probs is not None, sc_seed)
+        step = graphs.get(mode)
         if step is None:
+            # A shared pool is safe: a step's output is read before the next replay overwrites it (copy=False),
+            # and the inputs (ids, SC) are the graph's own buffers outside the pool. A pool whose last graph
+            # died is released, and capturing into its handle fails (an assert in torch 2.11): a new one then.
+            if self._graph_pool is None or not any(self._graphs.values()):
+                self._graph_pool = torch.cuda.graph_pool_handle()
             step = fast_ops.GraphStep(
-                lambda c, p: self._denoise_forward(c, kv, p, sc_seed),
+                lambda ids, p: self._denoise_forward(ids, kv, p, sc_seed),
                 canvas,
                 None if sc_probs is None else sc_probs.float(),
-                None,  # a private memory pool per graph, freed with it
+                self._graph_pool,
             )
-            self._graphs[mode] = step
+            graphs[mode] = step
         return step(canvas, sc_probs)
 
     def sc_input_buffer(self, kv: KVCache, canvas_len: int) -> torch.Tensor | None:
         """The captured denoise graph's SC input for this cache and canvas length, if there is one: SC
         probabilities written there are not copied in again by the next `denoise`."""
-        if self._graph_cache_key != self._graph_key(kv, canvas_len):
+        if self._graph_cache != self._graph_key(kv):
             return None
-        step = self._graphs.get((canvas_len, True, False))
+        step = self._graphs.get(self._full_keys(kv, canvas_len), {}).get((canvas_len, True, False))
         return None if step is None else step.sc
 
-    def _graph_key(self, kv: KVCache, c: int) -> tuple:
-        return (id(kv), kv.k[0].data_ptr(), self._full_keys(kv, c))
+    @staticmethod
+    def _graph_key(kv: KVCache) -> tuple:
+        return (id(kv), kv.k[0].data_ptr())
 
     @staticmethod
     def _full_keys(kv: KVCache, c: int) -> int:
