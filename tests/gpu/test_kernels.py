@@ -120,8 +120,8 @@ def test_denoise_graphs_of_recent_key_buckets_are_kept(tmp_path, monkeypatch):
     """The engine's cache emptied for a request shorter than the last one: with FULL_KEY_BUCKET at 32 the two
     lengths below fall in different key buckets (64 and 96), and the shorter one's graph, kept, replays instead
     of being captured again; with GRAPH_BUCKETS at 1 only the last bucket's graph is kept. Every replay matches
-    the step run eagerly. A graph's own output (copy=False) is held past its graph's eviction, as a caller may:
-    the pool it lives in cannot take another capture."""
+    the step run eagerly. Each bucket's graph output (copy=False) stays referenced past its graph's eviction, as a
+    caller's may, so the dropped graphs' pool keeps blocks while the next capture needs a pool."""
     from diffgemma.kernels import cuda as fast_ops
     from diffgemma.model import model as model_module
 

@@ -38,8 +38,8 @@ FULL_KEY_BUCKET = 1024
 # different lengths on the engine's cache, or a conversation rewound below a bucket, replay instead of capturing
 # again (two captures a bucket, ~0.14 s on the H200: bench/results/generate_overhead/session14_chat.json). A short
 # chat turn's blocks alternate between two buckets: 3.39 s a turn kept against 3.72 recaptured
-# (bench/results/session15/call1_s15.txt). The cost at the real shape: a bucket's two graphs keep their fp32 logits and SC input
-# (256 x 262,144 each): 0.75 GiB a bucket measured, 3.0 GiB for four (bench/results/session15/call6_*.txt).
+# (bench/results/session15/call1_s15.txt). The cost at the real shape: a bucket's two graphs keep their fp32
+# logits and SC input (256 x 262,144 each), 0.75 GiB a bucket measured (bench/results/session15/call6_*.txt).
 GRAPH_BUCKETS = 4
 
 
@@ -156,9 +156,8 @@ class DiffusionGemma(nn.Module):
         self.fused_regions = fused_ops.make_regions()
         # The same regions for the prefill (also on when is_fused): compiled with a symbolic token count.
         self.prefill_regions = fused_ops.make_regions(dynamic=True)
-        self._graphs: dict[
-            int, dict[tuple, fast_ops.GraphStep]
-        ] = {}  # key bucket -> mode -> graph, LRU first
+        # The denoise graphs: key bucket -> mode -> graph, the least recently used bucket first
+        self._graphs: dict[int, dict[tuple, fast_ops.GraphStep]] = {}
         self._graph_cache: tuple | None = None  # the cache they were captured on
         self._graph_pool = None  # one memory pool for them: they replay one at a time
         self._geometry: torch.Tensor | None = None  # the denoise's `KVCache.denoise_geometry`, on the device
@@ -310,8 +309,8 @@ class DiffusionGemma(nn.Module):
         step = graphs.get(mode)
         if step is None:
             # A shared pool is safe: a step's output is read before the next replay overwrites it (copy=False),
-            # and the inputs (ids, SC) are the graph's own buffers outside the pool. A pool whose last graph
-            # died is released, and capturing into its handle fails (an assert in torch 2.11): a new one then.
+            # and the inputs (ids, SC) are the graph's own buffers outside the pool. Capturing into a pool none of
+            # whose graphs is alive failed (torch 2.11's allocator asserts, bench/results/session15/): a new one.
             if self._graph_pool is None or not any(self._graphs.values()):
                 self._graph_pool = torch.cuda.graph_pool_handle()
             step = fast_ops.GraphStep(
