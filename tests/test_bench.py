@@ -22,3 +22,11 @@ def test_bench_tiny_writes_both_engines_and_the_check(tmp_path):
     check = data["check_hf"]["end_to_end"]
     for case in ("no_sc", "sc"):  # fp32 at a tiny shape: the same logits, the same argmax on every row
         assert check[case]["max_abs_diff"] < 1e-4 and check[case]["argmax_agreement"] == 1.0
+
+
+@pytest.mark.parametrize("flag", ["--reps", "--gen-reps"])
+def test_bench_refuses_fewer_than_ten_reps(flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--tiny", "--device", "cpu", flag, "3"])
+    assert e.value.code == 2
+    assert f"{flag} must be at least 10, got 3" in capsys.readouterr().err

@@ -367,7 +367,7 @@ def measure(runner, ctxs: list[int], args, device: torch.device, need_bytes, log
     cfg = model.cfg
     c = cfg.canvas_length
     g = torch.Generator().manual_seed(1)
-    res: dict[str, Any] = {"denoise_step_ms": {}, "prefill_tok_s": {}, "prefill_reps": {}, "skipped": {}}
+    res: dict[str, Any] = {"denoise_step_ms": {}, "prefill_tok_s": {}, "skipped": {}}
     canvas = torch.randint(0, cfg.vocab_size, (1, c), generator=g).to(device)
     sc_logits = (torch.randn(1, c, cfg.vocab_size, generator=g) * 4).to(device)
     if device.type == "cuda":
@@ -383,11 +383,9 @@ def measure(runner, ctxs: list[int], args, device: torch.device, need_bytes, log
         try:
             runner.new_cache(ctx)
             ids = torch.randint(0, cfg.vocab_size, (1, ctx), generator=g)
-            reps = max(1, min(args.reps, args.prefill_token_budget // ctx))
             runner.prefill(ids[:, : min(ctx, 4096)])  # warm-up: same kernels, short
-            ms = timed(lambda ids=ids: runner.prefill(ids), device, 0, reps)
+            ms = timed(lambda ids=ids: runner.prefill(ids), device, 0, args.reps)
             res["prefill_tok_s"][str(ctx)] = ctx / (_median(ms) / 1e3)
-            res["prefill_reps"][str(ctx)] = reps
             ours = runner.name == "diffgemma"
             if ours and args.fuse == "both":  # the unfused fast path first: the 'before' column
                 model.fuse = False
@@ -405,7 +403,7 @@ def measure(runner, ctxs: list[int], args, device: torch.device, need_bytes, log
             ms = timed(lambda: runner.denoise(canvas, sc_logits), device, args.warmup, args.reps)
             res["denoise_step_ms"][str(ctx)] = _median(ms)
             log(
-                f"{runner.name} ctx {ctx}: prefill {res['prefill_tok_s'][str(ctx)]:,.0f} tok/s ({reps} reps), "
+                f"{runner.name} ctx {ctx}: prefill {res['prefill_tok_s'][str(ctx)]:,.0f} tok/s, "
                 f"denoise {res['denoise_step_ms'][str(ctx)]:.2f} ms (min {min(ms):.2f}, max {max(ms):.2f})"
             )
         except torch.OutOfMemoryError as e:
@@ -617,15 +615,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--contexts", default="1024,8192,32768,131072", help="comma-separated context lengths")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions (median), at least 10")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument(
-        "--prefill-token-budget", type=int, default=262144, help="fewer prefill reps at long contexts"
-    )
     p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK)
     p.add_argument(
         "--gen-steps", type=int, default=48, help="fixed denoise steps of the generation (0 = skip)"
     )
     p.add_argument("--gen-prompt", type=int, default=1024)
-    p.add_argument("--gen-reps", type=int, default=3)
+    p.add_argument("--gen-reps", type=int, default=10, help="timed generations (median), at least 10")
     p.add_argument("--compare-hf", action="store_true", help="also measure transformers on the same weights")
     p.add_argument("--transformers-max-context", type=int, default=32768)
     p.add_argument("--check-hf", action="store_true", help="bf16 logits check against transformers")
@@ -645,6 +640,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
+    for name in ("reps", "gen_reps"):  # the rule: a median of at least 10
+        if getattr(args, name) < 10:
+            p.error(f"--{name.replace('_', '-')} must be at least 10, got {getattr(args, name)}")
     args.max_context = {"transformers": args.transformers_max_context}
     return args
 
