@@ -29,4 +29,5 @@ def test_bench_refuses_fewer_than_ten_reps(flag, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--tiny", "--device", "cpu", flag, "3"])
     assert e.value.code == 2
-    assert f"{flag} must be at least 10, got 3" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"diffgemma bench: error: {flag} must be at least 10, got 3" in err

@@ -151,11 +151,13 @@ def test_train_cli_rejects_bad_options_in_one_line(tmp_path, capsys):
         (["--curriculum-steps", "-1"], "--curriculum-steps must be >= 0, got -1"),
         (["--mix", "foo=1"], "unknown task 'foo'"),
         (["--lookup-weight", "-1"], "--lookup-weight must be >= 0, got -1.0"),
+        (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
     ):
         with pytest.raises(SystemExit) as e:
             train_main(["--out", str(tmp_path / "o"), *args])
         assert e.value.code == 2
-        assert msg in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and msg in err  # one line, not argparse's usage block
     assert not (tmp_path / "o").exists()  # nothing was written
 
 

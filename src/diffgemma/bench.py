@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from diffgemma.argparser import ArgumentParser
 from diffgemma.config import ModelConfig, SamplerConfig
 from diffgemma.model.model import PREFILL_CHUNK, DiffusionGemma
 
@@ -607,7 +608,7 @@ def _table(results: dict[str, Any], ctxs: list[int]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="diffgemma bench", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="diffgemma bench", description=__doc__.splitlines()[0])
     p.add_argument("-m", "--model", help="checkpoint directory (default: random weights at the real shape)")
     p.add_argument("--tiny", action="store_true", help="random weights at a tiny shape (CPU smoke test)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

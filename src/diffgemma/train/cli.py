@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from diffgemma.argparser import ArgumentParser
 from diffgemma.train import data
 
 
@@ -14,9 +14,7 @@ def train_main(argv: list[str] | None = None) -> dict:
     from diffgemma.train.trainer import PRESETS, TrainConfig, task_weights, train
 
     d = TrainConfig(out="")
-    ap = argparse.ArgumentParser(
-        prog="diffgemma train", description="Train a DiffusionGemma model on the demo corpus"
-    )
+    ap = ArgumentParser(prog="diffgemma train", description="Train a DiffusionGemma model on the demo corpus")
     ap.add_argument("--out", required=True, help="checkpoint directory to write (and resume from)")
     ap.add_argument("--steps", type=int, default=d.steps)
     ap.add_argument("--batch", type=int, default=d.batch)
@@ -113,9 +111,7 @@ def train_main(argv: list[str] | None = None) -> dict:
 def eval_main(argv: list[str] | None = None) -> dict:
     from diffgemma.train.eval import evaluate, format_table, write_json
 
-    ap = argparse.ArgumentParser(
-        prog="diffgemma eval", description="Held-out accuracy of a model on the demo tasks"
-    )
+    ap = ArgumentParser(prog="diffgemma eval", description="Held-out accuracy of a model on the demo tasks")
     ap.add_argument("-m", "--model", required=True, help="checkpoint directory")
     ap.add_argument("--n", type=int, default=50, help="held-out prompts per task")
     ap.add_argument("--seed", type=int, default=1234)
