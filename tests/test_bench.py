@@ -30,4 +30,4 @@ def test_bench_refuses_fewer_than_ten_reps(flag, capsys):
         main(["--tiny", "--device", "cpu", flag, "3"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"diffgemma bench: error: {flag} must be at least 10, got 3" in err
+    assert err.count("\n") == 1 and f"diffgemma: error: {flag} must be at least 10, got 3" in err

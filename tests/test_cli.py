@@ -123,6 +123,23 @@ def test_errors_are_one_line_and_nonzero(model, tmp_path):
     assert proc.returncode != 0 and len(error_lines(proc)) == 1 and "wizard" in error_lines(proc)[0]
 
 
+def test_usage_errors_are_one_line_too(model):
+    """Bad flags and arguments, caught by the parsers (typer's and the argparse commands'): one line, exit 2."""
+    for args, msg in (
+        (("ask", "-m", str(model)), "Missing option '-p' / '--prompt'."),
+        (("serve", "--port", "abc"), "Invalid value for '--port'"),
+        (("ask", "--bogus"), "No such option: --bogus"),
+        (("nosuch",), "No such command 'nosuch'."),
+        (("bench", "--reps", "3"), "--reps must be at least 10, got 3"),
+        (("eval",), "the following arguments are required: -m/--model"),
+    ):
+        proc = run(*args)
+        lines = error_lines(proc)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and len(lines) == 1, (args, proc.stderr)
+        where = "diffgemma" if args[0] == "nosuch" else f"diffgemma {args[0]}"
+        assert msg in lines[0] and f"(see `{where} --help`)" in lines[0]
+
+
 def test_ctrl_c_cancels_the_reply_not_the_session(model):
     import os
     import signal

@@ -23,6 +23,9 @@ RAW = typer.Option(False, "--raw", help="Send the text verbatim, no chat templat
 THINK = typer.Option(False, "--think/--no-think", help="Thinking on (reasoning in the thought channel).")
 DEVICE = typer.Option(None, "--device", help="cpu, cuda, mps (default: best available).")
 DTYPE = typer.Option(None, "--dtype", help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU).")
+# click's exceptions, wherever this typer takes click from (recent ones vendor it)
+_USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+_NO_ARGS_IS_HELP = getattr(sys.modules[_USAGE_ERROR.__module__], "NoArgsIsHelpError", ())
 PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 
@@ -431,11 +434,21 @@ _passthrough("eval", _eval)
 
 
 def main() -> None:
+    # Not click's standalone mode: it prints a usage error as a boxed block, and every other error here is one line.
     try:
-        app()
-    except KeyboardInterrupt:  # Ctrl-C outside a reply (e.g. while loading): quit quietly
+        code = app(standalone_mode=False)
+    except _NO_ARGS_IS_HELP as e:  # a bare `diffgemma`: the help (a vendored click has printed it already)
+        if e.format_message():
+            e.show()
+        raise SystemExit(2) from None
+    except _USAGE_ERROR as e:
+        where = "diffgemma" if e.ctx is None or e.ctx.parent is None else f"diffgemma {e.ctx.info_name}"
+        print(f"diffgemma: error: {e.format_message()} (see `{where} --help`)", file=sys.stderr)
+        raise SystemExit(2) from None
+    except (KeyboardInterrupt, typer.Abort):  # Ctrl-C outside a reply (e.g. while loading): quit quietly
         print("diffgemma: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+    raise SystemExit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":
