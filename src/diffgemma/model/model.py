@@ -311,7 +311,7 @@ class DiffusionGemma(nn.Module):
             # A shared pool is safe: a step's output is read before the next replay overwrites it (copy=False),
             # and the inputs (ids, SC) are the graph's own buffers outside the pool. Capturing into a pool none of
             # whose graphs is alive failed (torch 2.11's allocator asserts, bench/results/session15/): a new one.
-            if self._graph_pool is None or not any(self._graphs.values()):
+            if not any(self._graphs.values()):
                 self._graph_pool = torch.cuda.graph_pool_handle()
             step = fast_ops.GraphStep(
                 lambda ids, p: self._denoise_forward(ids, kv, p, sc_seed),
