@@ -6,9 +6,14 @@ sum, max), 1 GB a denoise step at C = 256 and V = 262,144. Here one program owns
 Pass 1 keeps per lane a running max m, the rescaled sum s of exp(z - m) and t of exp(z - m) * (z - m), and the
 first index of the lane's largest z; lanes are merged at the end. With S and T the row's sums at its max M,
 log p = (z - M) - log S (log_softmax's order of operations), the entropy is log S - T / S. Pass 2 writes
-p = exp((z - M) - log S) in fp32 and/or the next step's sparse SC input (p where z - M >= the floor, i.e.
+p = exp((z - M) - log S) in fp32 and/or the next step's SC input (sparse: p where z - M >= the floor, i.e.
 p >= p_max * e^floor, else 0: the sampler's SC rule in log space, so a column within rounding of the floor can
-fall on the other side than in the torch ops), and the top probability is the largest p.
+fall on the other side than in the torch ops), and the top probability is the largest p. The SC input may be
+stored in the model's dtype, into a denoise graph's own input: the graph reads it as a bf16 GEMM operand
+anyway, and an fp32 buffer doubled this store (268 against 134 MB a step at the real shape) and took a cast
+in the graph (268 MB read, 134 written; 15.85 against 15.93 ms a replay on an H200, bench/results/session16/).
+Rounded to nearest here; the compiled bf16 variant's p differs from the fp32 variant's by fp32 ulps in places,
+so 7 of the 67M elements of a real-shape step came one bf16 ulp from torch's cast of the fp32 store.
 
 z = logits * (1 / temp) with the reciprocal rounded to fp32 first: what torch computes for `logits / temp` on
 CUDA with a Python float divisor, so z matches it bit for bit and so does the argmax.
@@ -86,8 +91,10 @@ def _row_stats_kernel(
         p = tl.exp((z - m_row) - log_s)
         if WRITE_PROBS:
             tl.store(p_row + start + cols, p, mask=ok)
-        if WRITE_SC:  # the sparse SC input: log p - log p_max = z - M >= the floor
-            tl.store(sc_row + start + cols, tl.where(z - m_row >= sc_log_floor, p, 0.0), mask=ok)
+        if WRITE_SC:  # the SC input, in its buffer's dtype; sparse: log p - log p_max = z - M >= the floor
+            sc = tl.where(z - m_row >= sc_log_floor, p, 0.0)
+            # a downcast rounds to nearest even on the GPU, as torch's cast (Triton 3.6's interpreter truncates)
+            tl.store(sc_row + start + cols, sc.to(sc_ptr.dtype.element_ty), mask=ok)
         p_max = tl.maximum(p_max, p)
         start += BLOCK
     tl.store(p_max_ptr + row, tl.max(p_max, axis=0))
@@ -104,22 +111,24 @@ def row_stats(
     [C, V] fp32 with unit column stride.
 
     sc: the next step's SC probabilities: with `sc_log_floor`, p where log p >= log p_max + sc_log_floor and 0
-    elsewhere (written to `sc_out` when given), else the probs themselves. Without `need_probs` the dense probs
-    are not written when sc is sparse (probs is None)."""
+    elsewhere, else the probs themselves; written to `sc_out` when given, fp32 or the model's dtype (a denoise
+    graph's input, rounded here). Without `need_probs` the dense probs are not
+    written when sc is sparse or in another dtype (probs is None)."""
     if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(
             f"row_stats wants [C, V] fp32 rows with unit stride, got {logits.dtype} {logits.stride()}"
         )
     c, v = logits.shape
     dev = logits.device
-    sparse = sc_log_floor is not None
     if sc_out is not None and (
-        sc_out.shape != (c, v) or sc_out.dtype != torch.float32 or sc_out.stride(1) != 1
+        sc_out.shape != (c, v) or not sc_out.dtype.is_floating_point or sc_out.stride(1) != 1
     ):
         raise ValueError(
-            f"row_stats: sc_out must be [{c}, {v}] fp32 rows, got {sc_out.dtype} {tuple(sc_out.shape)}"
+            f"row_stats: sc_out must be [{c}, {v}] float rows, got {sc_out.dtype} {tuple(sc_out.shape)}"
         )
-    if sparse:
+    # sc apart from the probs: sparse, or in another dtype than theirs
+    apart = sc_log_floor is not None or (sc_out is not None and sc_out.dtype != torch.float32)
+    if apart:
         probs = torch.empty(c, v, device=dev, dtype=torch.float32) if need_probs else None
         sc = torch.empty(c, v, device=dev, dtype=torch.float32) if sc_out is None else sc_out
     else:  # sc is the probs
@@ -140,10 +149,10 @@ def row_stats(
         sc.stride(0) if probs is None else probs.stride(0),
         sc.stride(0),
         inv_temp,
-        0.0 if sc_log_floor is None else sc_log_floor,
+        -float("inf") if sc_log_floor is None else sc_log_floor,
         BLOCK=BLOCK,
         WRITE_PROBS=probs is not None,
-        WRITE_SC=sparse,
+        WRITE_SC=apart,
         num_warps=NUM_WARPS,
     )
     return probs, sc, entropy, argmax, p_max

@@ -39,7 +39,7 @@ FULL_KEY_BUCKET = 1024
 # again (two captures a bucket, ~0.14 s on the H200: bench/results/generate_overhead/session14_chat.json). A short
 # chat turn's blocks alternate between two buckets: 3.39 s a turn kept against 3.72 recaptured
 # (bench/results/session15/call1_s15.txt). The cost at the real shape: a bucket's two graphs keep their fp32
-# logits and SC input (256 x 262,144 each), 0.75 GiB a bucket measured (bench/results/session15/call6_*.txt).
+# logits (256 x 262,144 each) and one bf16 SC input, 0.62-0.64 GiB a bucket measured (bench/results/session16/).
 GRAPH_BUCKETS = 4
 
 
@@ -316,15 +316,15 @@ class DiffusionGemma(nn.Module):
             step = fast_ops.GraphStep(
                 lambda ids, p: self._denoise_forward(ids, kv, p, sc_seed),
                 canvas,
-                None if sc_probs is None else sc_probs.float(),
+                None if sc_probs is None else sc_probs.to(self.embed.dtype),  # the dtype its GEMM reads
                 self._graph_pool,
             )
             graphs[mode] = step
         return step(canvas, sc_probs)
 
     def sc_input_buffer(self, kv: KVCache, canvas_len: int) -> torch.Tensor | None:
-        """The captured denoise graph's SC input for this cache and canvas length, if there is one: SC
-        probabilities written there are not copied in again by the next `denoise`."""
+        """The captured denoise graph's SC input for this cache and canvas length, if there is one ([C, V] in the
+        model's dtype): SC probabilities written there are not copied in again by the next `denoise`."""
         if self._graph_cache != self._graph_key(kv):
             return None
         step = self._graphs.get(self._full_keys(kv, canvas_len), {}).get((canvas_len, True, False))
