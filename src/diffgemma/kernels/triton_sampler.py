@@ -112,8 +112,8 @@ def row_stats(
 
     sc: the next step's SC probabilities: with `sc_log_floor`, p where log p >= log p_max + sc_log_floor and 0
     elsewhere, else the probs themselves; written to `sc_out` when given, fp32 or the model's dtype (a denoise
-    graph's input, rounded here). Without `need_probs` the dense probs are not
-    written when sc is sparse or in another dtype (probs is None)."""
+    graph's input, rounded here). Without `need_probs` the dense probs are not written when sc is sparse or in
+    another dtype (probs is None)."""
     if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(
             f"row_stats wants [C, V] fp32 rows with unit stride, got {logits.dtype} {logits.stride()}"
