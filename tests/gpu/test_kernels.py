@@ -359,9 +359,8 @@ def test_padded_prefill_graph_matches_eager(tmp_path):
     assert isinstance(m._prefill_graphs[512], GraphStep) and eager._prefill_graphs == {512: None}
     chunked = eager.new_cache(1024)
     eager.prefill(prompts[-1], chunked, chunk=200)  # longer than a chunk: unpadded, in two passes
-    for i in range(
-        m.cfg.num_layers
-    ):  # routing flips in deeper layers, as in test_fused_prefill_matches_unfused
+    # routing flips in deeper layers, as in test_fused_prefill_matches_unfused
+    for i in range(m.cfg.num_layers):
         for got, exp in zip(kv.read(i)[:2], chunked.read(i)[:2], strict=True):
             assert rel(got, exp) < (1e-2 if i == 0 else 0.25), i
 

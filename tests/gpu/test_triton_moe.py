@@ -181,6 +181,5 @@ def test_fused_graphed_denoise_matches_fused_eager_across_ring_wraps(tmp_path, m
             kv.truncate(kv.length - 4)
             check()
     assert not any(r.failed for r in m.fused_regions.values()), m.fused_regions
-    assert sorted(captures) == [False, False, True], (
-        captures
-    )  # plain and seed (no SC input), SC probabilities
+    # plain and seed (no SC input), SC probabilities
+    assert sorted(captures) == [False, False, True], captures

@@ -127,7 +127,7 @@ def moe_experts_grouped(
 ) -> torch.Tensor:
     """torch_ref.moe_experts as two grouped GEMMs: sort (row, expert) pairs by expert, gather, gate_up GEMM,
     gelu*up, down GEMM, then a deterministic weighted sum back per row (fp32 accumulation, no atomics)."""
-    n, k = ids.shape
+    k = ids.shape[1]
     n_exp = gate_up.shape[0]
     flat = ids.reshape(-1)
     sorted_ids, perm = torch.sort(flat, stable=True)
@@ -140,10 +140,17 @@ def moe_experts_grouped(
     inter = gate_up.shape[1] // 2
     act = gelu_tanh(gu[:, :inter]) * gu[:, inter:]
     y = _grouped_mm(act, down.transpose(1, 2), offs=offs)  # [n*k, H]
+    return sum_sorted_pairs(y, perm, weights).to(x.dtype)
+
+
+def sum_sorted_pairs(y: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The experts' output rows y [N*k, H], in expert-sorted pair order (perm: each sorted pair's flat (row, j)
+    index), put back in (row, j) order, weighted by weights [N, k] and summed per row in fp32: [N, H] fp32,
+    deterministic (no atomics). The grouped GEMMs' and the Triton kernels' common tail."""
+    n, k = weights.shape
     unsorted = torch.empty_like(y)
     unsorted[perm] = y
-    out = (unsorted.view(n, k, -1).float() * weights.reshape(n, k, 1).float()).sum(1)
-    return out.to(x.dtype)
+    return (unsorted.view(n, k, -1).float() * weights.reshape(n, k, 1).float()).sum(1)
 
 
 # -- attention ---------------------------------------------------------------------------------------

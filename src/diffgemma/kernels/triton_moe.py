@@ -31,6 +31,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from diffgemma.kernels import pdl
+from diffgemma.kernels.cuda import sum_sorted_pairs
 
 
 @dataclass(frozen=True)
@@ -382,11 +383,8 @@ def moe_experts_triton(
     """cuda.moe_experts as two Triton kernels. x [N, H]; weights [N, k]; ids [N, k]; gate_up [E, 2I, H];
     down [E, H, I] -> [N, H] in x's dtype. `config` overrides `config_for` (benchmarks)."""
     cfg = config or config_for(x, gate_up)
-    n, k = ids.shape
+    k = ids.shape[1]
     perm, bounds = sort_pairs(ids, gate_up.shape[0])
     act = gate_up_act(x, gate_up, perm, bounds, k, cfg.gate_up)
     y = down_sorted(act, down, bounds, cfg.down)
-    slot = torch.empty_like(perm)
-    slot[perm] = torch.arange(perm.numel(), device=perm.device)  # pair (row, j)'s sorted position
-    terms = y[slot].view(n, k, -1).float() * weights.reshape(n, k, 1).float()
-    return terms.sum(1).to(x.dtype)
+    return sum_sorted_pairs(y, perm, weights).to(x.dtype)

@@ -54,9 +54,8 @@ def _norm_rope_kernel(
 ):
     head = tl.program_id(1)  # 0..NQ-1: Q heads, then NKV K heads, then (HAS_V) NKV V heads
     ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    if (
-        HAS_SLOT
-    ):  # K/V of token t go to slot slot[0] + t, read on the device (a CUDA graph's, any cache length)
+    # K/V of token t go to slot slot[0] + t, read on the device (a CUDA graph's, any cache length)
+    if HAS_SLOT:
         kv_ptr += tl.load(slot_ptr).to(tl.int64) * stride_kvt
     t_ok = (ts < T)[:, None]
     half: tl.constexpr = D // 2

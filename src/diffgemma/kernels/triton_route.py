@@ -48,9 +48,9 @@ def _topk_kernel(
     BLOCK_ROWS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl.start(PDL)
     """Pass 1 for BLOCK_ROWS rows: softmax, top-k, weights; each pair's rank among this block's earlier pairs
     of its expert, and the block's count per expert."""
+    pdl.start(PDL)
     block = tl.program_id(0)
     rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < N
@@ -111,10 +111,10 @@ def _slot_kernel(
     BLOCK_B: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl.start(PDL)
     """Pass 2 for the pairs of one row block: its first slot per expert (each expert's start, from all blocks'
     counts, plus the counts of the blocks before it), each pair's slot = that + its rank; perm the inverse.
     Program 0 also writes the bounds."""
+    pdl.start(PDL)
     block = tl.program_id(0)
     cols = tl.arange(0, E_P2)
     bs = tl.arange(0, BLOCK_B)
