@@ -28,12 +28,15 @@ class FakeModel:
         self.script = script
         self.canvases: list[list[int]] = []
         self.sc: list[str] = []
+        self.sc_dtypes: list[torch.dtype] = []  # of the SC probabilities passed in
         self.prefilled: list[list[int]] = []
         self.prefill_dtypes: list[torch.dtype | None] = []
 
     def denoise(self, canvas, kv, sc_logits=None, *, sc_probs=None, sc_seed=False, copy=True):
         self.canvases.append(canvas[0].tolist())
         self.sc.append("probs" if sc_probs is not None else "seed" if sc_seed else "none")
+        if sc_probs is not None:
+            self.sc_dtypes.append(sc_probs.dtype)
         return self.script(len(self.canvases) - 1, canvas[0]).float()[None]
 
     def sc_input_buffer(self, kv, canvas_len):

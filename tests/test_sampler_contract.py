@@ -95,6 +95,15 @@ def test_first_step_sc_seed_and_sc_from_previous_step():
     assert model.sc == ["none", "probs", "probs"]
 
 
+def test_sc_input_comes_in_the_model_dtype_without_a_graph_buffer():
+    # A graph's SC buffer is in the model's dtype; without one (a step before the first capture) the sampler
+    # rounds into the same dtype, so that the values do not depend on whether the graph exists yet.
+    cfg = SamplerConfig(max_denoising_steps=3)
+    model = FakeModel(V, C, lambda i, c: torch.randn(C, V), dtype=torch.bfloat16)
+    denoise_block(model, FakeKV(), cfg, 3, C)
+    assert model.sc_dtypes == [torch.bfloat16, torch.bfloat16]
+
+
 def test_sc_sparse_drops_only_the_far_tail():
     probs = torch.softmax(torch.tensor([[0.0, -5.0, -9.9, -10.1, -30.0]]), -1)
     kept = S.sc_probs(probs, sparse=True)

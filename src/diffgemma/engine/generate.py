@@ -108,6 +108,11 @@ def denoise_block(
         else:
             logits = model.denoise(canvas[None], kv, sc_seed=cfg.first_step_sc_seed, copy=False)
         sc_out = model.sc_input_buffer(kv, canvas_len)
+        if sc_out is None:
+            # No graph yet: a buffer in the dtype a graph's would have. Written in fp32 and cast by torch, the SC
+            # input was one ulp off the sampler's own rounding in a few elements, so a first request that
+            # captured graphs got other ids than the same request later (bench/results/session17/).
+            sc_out = torch.empty(canvas_len, vocab, device=device, dtype=model.dtype)
         stats = S.row_stats(logits[0], temp, cfg.sc_sparse, need_probs=uniforms is not None, sc_out=sc_out)
         mask = S.accept_mask(stats.entropy, cfg.entropy_bound)
         denoised = stats.argmax if uniforms is None else S.categorical(stats.probs, uniforms[i])
