@@ -53,6 +53,11 @@ def _check_moe() -> None:
         "tma": tm.MoeConfig(
             tm.Tiles(block_n=64, block_k=32, m_slots=2, tma=True), tm.Tiles(block_n=128, block_k=64, tma=True)
         ),
+        # the column blocks on the grid's fast axis, several of them and several M-slots an expert
+        "cols_fast": tm.MoeConfig(
+            tm.Tiles(block_n=16, block_k=32, m_slots=2, cols_fast=True),
+            tm.Tiles(block_n=16, block_k=16, m_slots=2, cols_fast=True),
+        ),
     }
     want = ref.moe_experts(x.double(), weights.double(), ids, gate_up.double(), down.double())
     for name, cfg in configs.items():

@@ -109,7 +109,7 @@ def _moe_ptx(kernel: str, act: str, tma: bool, pdl: bool = True) -> str:
         names = ("stride_an", "stride_ai", "stride_de", "stride_dh", "stride_di", "stride_yn", "stride_yh")
     sig.update(dict.fromkeys(names, "i32"))
     consts = {"BLOCK_M": 32, "M_SLOTS": 2, "BLOCK_N": 64, "BLOCK_K": 128, "H": 2816, "INTER": 704}
-    consts.update(SWAP_AB=False, UPCAST_DOT=False, SPLIT3=act == "fp32", TMA=tma, PDL=pdl)
+    consts.update(SWAP_AB=False, UPCAST_DOT=False, SPLIT3=act == "fp32", TMA=tma, COLS_FAST=False, PDL=pdl)
     return _ptx(getattr(tm, kernel), sig, consts, {"num_warps": 4, "num_stages": 3})
 
 

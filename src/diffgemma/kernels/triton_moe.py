@@ -40,7 +40,9 @@ class Tiles:
     segment block_m pairs at a time, block_k of the reduction dimension per step. m_slots programs share an
     expert's column block, taking its M-tiles in turn: they run side by side, so a busy expert's weight
     slice should come from HBM once and mostly from L2 for the others. swap_ab computes the transposed product (weights
-    as the MMA's M side, the pairs as its N side), the shape Hopper's wgmma wants."""
+    as the MMA's M side, the pairs as its N side), the shape Hopper's wgmma wants. cols_fast puts an expert's
+    column blocks on the grid's fast axis: the programs that run together then read neighbouring slices of a few
+    experts' weights, not the same slice of every expert."""
 
     block_m: int = 16
     block_n: int = 64
@@ -50,6 +52,7 @@ class Tiles:
     m_slots: int = 1
     swap_ab: bool = False
     tma: bool = False
+    cols_fast: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,8 +87,17 @@ CONFIGS: dict[str, MoeConfig] = {
     "m32_w8": MoeConfig(
         Tiles(block_m=32, num_warps=8, num_stages=3), Tiles(block_m=32, num_warps=8, num_stages=3)
     ),
+    "m32_s2_tma_cf": MoeConfig(
+        Tiles(block_m=32, m_slots=2, num_stages=3, tma=True),
+        Tiles(block_m=32, m_slots=2, tma=True, cols_fast=True),
+    ),
 }
-DEFAULT_CONFIG = "m32_s2_tma"
+# m32_s2_tma_cf against m32_s2_tma (bench/results/session18/): the down kernel 128.8 against 133.1 us a layer
+# alone (an expert's down weight is one contiguous 4 MB, and its 44 column blocks side by side read it as a
+# stream), the denoise step 16.09 / 16.13 against 16.30 / 16.28 ms at 1k and 20.07 / 20.02 against 20.21 /
+# 20.17 at 32k in one process. The gate_up kernel in that order: 246.2 us either way (its programs read 2 x 64
+# whole rows of 5.5 KB each, contiguous slices already), so it keeps the default order.
+DEFAULT_CONFIG = "m32_s2_tma_cf"
 # fp32 activations (three MMAs a step) through TMA took 16.8 ms a layer for gate_up in a 200-token prefill,
 # against 0.79 ms with pointer loads (bench/results/moe_tma/README.md).
 SPLIT3_CONFIG = "m32_s2"
@@ -155,23 +167,26 @@ def _gate_up_kernel(
     UPCAST_DOT: tl.constexpr,
     SPLIT3: tl.constexpr,
     TMA: tl.constexpr,
+    COLS_FAST: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.start(PDL)
-    e = tl.program_id(0) // M_SLOTS
+    slot_id = tl.program_id(1) if COLS_FAST else tl.program_id(0)
+    col_block = tl.program_id(0) if COLS_FAST else tl.program_id(1)
+    e = slot_id // M_SLOTS
     start = tl.load(bounds_ptr + e)
     end = tl.load(bounds_ptr + e + 1)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < INTER
     ks = tl.arange(0, BLOCK_K)
     if TMA:  # gu_ptr: a descriptor of gate_up as [E * 2I, H] (`_weight_descriptor`)
-        row_gate = e * (2 * INTER) + tl.program_id(1) * BLOCK_N
+        row_gate = e * (2 * INTER) + col_block * BLOCK_N
     else:
         w_gate = gu_ptr + e.to(tl.int64) * stride_ge + cols[:, None] * stride_gr + ks[None, :] * stride_gh
         w_up = w_gate + INTER * stride_gr
     adt = act_ptr.dtype.element_ty  # x's dtype: where the grouped path rounds
     acc_shape: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N)
-    m0 = start + (tl.program_id(0) % M_SLOTS) * BLOCK_M
+    m0 = start + (slot_id % M_SLOTS) * BLOCK_M
     while m0 < end:  # not range(start, end, ..): the interpreter cannot index with loaded scalars
         pos = m0 + tl.arange(0, BLOCK_M)
         row_ok = pos < end
@@ -232,21 +247,24 @@ def _down_kernel(
     UPCAST_DOT: tl.constexpr,
     SPLIT3: tl.constexpr,
     TMA: tl.constexpr,
+    COLS_FAST: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.start(PDL)
-    e = tl.program_id(0) // M_SLOTS
+    slot_id = tl.program_id(1) if COLS_FAST else tl.program_id(0)
+    col_block = tl.program_id(0) if COLS_FAST else tl.program_id(1)
+    e = slot_id // M_SLOTS
     start = tl.load(bounds_ptr + e)
     end = tl.load(bounds_ptr + e + 1)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
     ks = tl.arange(0, BLOCK_K)
     if TMA:  # dn_ptr: a descriptor of down as [E * H, I]; columns past I load as zeros
-        row0 = e * H + tl.program_id(1) * BLOCK_N
+        row0 = e * H + col_block * BLOCK_N
     else:
         w_tile = dn_ptr + e.to(tl.int64) * stride_de + cols[:, None] * stride_dh + ks[None, :] * stride_di
     acc_shape: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N)
-    m0 = start + (tl.program_id(0) % M_SLOTS) * BLOCK_M
+    m0 = start + (slot_id % M_SLOTS) * BLOCK_M
     while m0 < end:  # not range(start, end, ..): the interpreter cannot index with loaded scalars
         pos = m0 + tl.arange(0, BLOCK_M)
         row_ok = pos < end
@@ -319,6 +337,7 @@ def _launch_options(tiles: Tiles, h: int, inter: int, split3: bool, device: torc
         UPCAST_DOT=_UPCAST_DOT,
         SPLIT3=split3,
         TMA=tiles.tma,
+        COLS_FAST=tiles.cols_fast,
         PDL=pdl_on,
         launch_pdl=pdl_on,
         num_warps=tiles.num_warps,
@@ -339,7 +358,7 @@ def gate_up_act(
     inter = two_i // 2
     act = torch.empty(perm.shape[0], inter, device=x.device, dtype=x.dtype)
     grid = (n_exp * tiles.m_slots, triton.cdiv(inter, tiles.block_n))
-    _gate_up_kernel[grid](
+    _gate_up_kernel[grid[::-1] if tiles.cols_fast else grid](
         x,
         _weight_descriptor(gate_up, tiles) if tiles.tma else gate_up,
         act,
@@ -359,7 +378,7 @@ def down_sorted(act: torch.Tensor, down: torch.Tensor, bounds: torch.Tensor, til
     n_exp, h, inter = down.shape
     y = torch.empty(act.shape[0], h, device=act.device, dtype=act.dtype)
     grid = (n_exp * tiles.m_slots, triton.cdiv(h, tiles.block_n))
-    _down_kernel[grid](
+    _down_kernel[grid[::-1] if tiles.cols_fast else grid](
         act,
         _weight_descriptor(down, tiles) if tiles.tma else down,
         bounds,
