@@ -88,9 +88,9 @@ def test_device_length_kernels_compile_for_sm90():
     assert re.search(r"ex2\.approx", ptx)  # the exponentials, on the fast path
 
 
-def _moe_ptx(kernel: str, act: str, tma: bool, pdl: bool = True) -> str:
+def _moe_ptx(kernel: str, act: str, tma: bool, pdl: bool = True, swap_ab: bool = False) -> str:
     """An expert kernel for sm_90 at the real shape: activations `act` ("fp32", "bf16") on bf16 weights,
-    passed as pointers or as TMA descriptors (tiles of 64 x 128)."""
+    passed as pointers or as TMA descriptors (tiles of 64 x 128), 32 pairs a tile."""
     from diffgemma.kernels import triton_moe as tm
 
     w = "tensordesc<bf16[64, 128]>" if tma else "*bf16"
@@ -109,7 +109,7 @@ def _moe_ptx(kernel: str, act: str, tma: bool, pdl: bool = True) -> str:
         names = ("stride_an", "stride_ai", "stride_de", "stride_dh", "stride_di", "stride_yn", "stride_yh")
     sig.update(dict.fromkeys(names, "i32"))
     consts = {"BLOCK_M": 32, "M_SLOTS": 2, "BLOCK_N": 64, "BLOCK_K": 128, "H": 2816, "INTER": 704}
-    consts.update(SWAP_AB=False, UPCAST_DOT=False, SPLIT3=act == "fp32", TMA=tma, COLS_FAST=False, PDL=pdl)
+    consts.update(SWAP_AB=swap_ab, UPCAST_DOT=False, SPLIT3=act == "fp32", TMA=tma, COLS_FAST=False, PDL=pdl)
     return _ptx(getattr(tm, kernel), sig, consts, {"num_warps": 4, "num_stages": 3})
 
 
@@ -118,6 +118,22 @@ def test_moe_fp32_activations_compile_to_bf16_tensor_core_products(kernel):
     # fp32 activations on bf16 experts (a short prompt's prefill): x cut into three bf16 parts, each multiplied
     # by a bf16 MMA (a first version did not compile for sm_90: a constexpr branch's early return)
     assert re.search(r"mma\S*\.bf16\.bf16", _moe_ptx(kernel, "fp32", tma=False))
+
+
+@pytest.mark.parametrize("kernel", ["_gate_up_kernel", "_down_kernel"])
+def test_moe_default_tiles_multiply_on_wgmma(kernel):
+    # 32 pairs a tile are too few rows for wgmma (64 a warpgroup): the plain product runs on mma.sync fed by
+    # ldmatrix, the transposed one (the weights' 64 rows as the M side) on wgmma, which DEFAULT_CONFIG measured
+    # faster (triton_moe's comment on it)
+    from diffgemma.kernels import triton_moe as tm
+
+    cfg = tm.CONFIGS[tm.DEFAULT_CONFIG]
+    tiles = cfg.gate_up if kernel == "_gate_up_kernel" else cfg.down
+    assert (tiles.block_m, tiles.block_n, tiles.block_k, tiles.tma) == (32, 64, 128, True)
+    ptx = _moe_ptx(kernel, "bf16", tma=True, swap_ab=tiles.swap_ab)
+    assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx
+    plain = _moe_ptx(kernel, "bf16", tma=True)
+    assert "wgmma" not in plain and "mma.sync" in plain
 
 
 @pytest.mark.parametrize("kernel", ["_gate_up_kernel", "_down_kernel"])

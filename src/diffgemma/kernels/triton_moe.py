@@ -91,13 +91,21 @@ CONFIGS: dict[str, MoeConfig] = {
         Tiles(block_m=32, m_slots=2, num_stages=3, tma=True),
         Tiles(block_m=32, m_slots=2, tma=True, cols_fast=True),
     ),
+    "m32_s2_tma_swap": MoeConfig(
+        Tiles(block_m=32, m_slots=2, num_stages=4, tma=True, swap_ab=True),
+        Tiles(block_m=32, m_slots=2, num_stages=3, tma=True, cols_fast=True, swap_ab=True),
+    ),
 }
 # m32_s2_tma_cf against m32_s2_tma (bench/results/session18/): the down kernel 128.8 against 133.1 us a layer
 # alone (an expert's down weight is one contiguous 4 MB, and its 44 column blocks side by side read it as a
 # stream), the denoise step 16.09 / 16.13 against 16.30 / 16.28 ms at 1k and 20.07 / 20.02 against 20.21 /
-# 20.17 at 32k in one process. The gate_up kernel in that order: 246.2 us either way (its programs read 2 x 64
-# whole rows of 5.5 KB each, contiguous slices already), so it keeps the default order.
-DEFAULT_CONFIG = "m32_s2_tma_cf"
+# 20.17 at 32k in one process. The gate_up kernel in that order: 246.2 us either way, so it keeps the default.
+# m32_s2_tma_swap: both kernels on the transposed product, so that at block_m 32 the MMAs are Hopper's wgmma
+# (weights as its 64-row side, from shared memory) and not mma.sync fed by ldmatrix. One layer's experts
+# (bench/moe_kernels.py timing): uniform routing 0.486 against 0.489 ms, skewed 0.381 against 0.410; the
+# denoise step (with the down kernel at 4 stages) 16.06 / 16.10 against 16.15 / 16.17 ms at 1k, 19.84 / 19.91
+# against 19.98 / 20.11 at 32k, the same logits bit for bit.
+DEFAULT_CONFIG = "m32_s2_tma_swap"
 # fp32 activations (three MMAs a step) through TMA took 16.8 ms a layer for gate_up in a 200-token prefill,
 # against 0.79 ms with pointer loads (bench/results/moe_tma/README.md).
 SPLIT3_CONFIG = "m32_s2"
