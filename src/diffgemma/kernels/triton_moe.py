@@ -106,9 +106,10 @@ CONFIGS: dict[str, MoeConfig] = {
 # denoise step (with the down kernel at 4 stages) 16.06 / 16.10 against 16.15 / 16.17 ms at 1k, 19.84 / 19.91
 # against 19.98 / 20.11 at 32k, the same logits bit for bit.
 DEFAULT_CONFIG = "m32_s2_tma_swap"
-# fp32 activations (three MMAs a step) through TMA took 16.8 ms a layer for gate_up in a 200-token prefill,
-# against 0.79 ms with pointer loads (bench/results/moe_tma/README.md).
-SPLIT3_CONFIG = "m32_s2"
+# fp32 activations (a short prompt's prefill, three MMAs a step) take the same tiles: on the transposed product
+# one layer of a 200-token prefill took 786 against 1,331 us for m32_s2 (mma.sync, pointer loads), the same
+# outputs bit for bit (bench/results/session18/). Through TMA without it, gate_up took 16.8 ms against 0.79
+# (bench/results/moe_tma/README.md).
 
 # The interpreter multiplies bf16 operands of tl.dot as their raw uint16 bits; under it the operands go to
 # the dot as fp32 (exact products, so the interpreter still checks the kernels' indexing and rounding).
@@ -319,8 +320,9 @@ def _split3(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def config_for(x: torch.Tensor, w: torch.Tensor) -> MoeConfig:
-    """The tiles for activations x on expert weights w: SPLIT3_CONFIG for fp32 on bf16, else DEFAULT_CONFIG."""
-    return CONFIGS[SPLIT3_CONFIG if _split3(x, w) else DEFAULT_CONFIG]
+    """The tiles for activations x (in w's dtype, or fp32 on bf16) on expert weights w: DEFAULT_CONFIG."""
+    _split3(x, w)  # raises for other dtypes
+    return CONFIGS[DEFAULT_CONFIG]
 
 
 def _weight_descriptor(w: torch.Tensor, tiles: Tiles) -> TensorDescriptor:
