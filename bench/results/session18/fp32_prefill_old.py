@@ -1,4 +1,5 @@
-"""bench/fp32_prefill.py with the expert tiles fp32 activations took before (m32_s2): the A/B's other side."""
+"""bench/fp32_prefill.py with the expert tiles fp32 activations took before (m32_s2): the A/B's other side.
+Ran at 443663d, where `triton_moe.config_for` chose the tiles (deleted after: every dtype takes DEFAULT_CONFIG)."""
 
 import runpy
 

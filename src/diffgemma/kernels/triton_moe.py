@@ -319,12 +319,6 @@ def _split3(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
-def config_for(x: torch.Tensor, w: torch.Tensor) -> MoeConfig:
-    """The tiles for activations x (in w's dtype, or fp32 on bf16) on expert weights w: DEFAULT_CONFIG."""
-    _split3(x, w)  # raises for other dtypes
-    return CONFIGS[DEFAULT_CONFIG]
-
-
 def _weight_descriptor(w: torch.Tensor, tiles: Tiles) -> TensorDescriptor:
     """A TMA descriptor of expert weights [E, R, K] as one [E * R, K] matrix, tiles of block_n x block_k."""
     e, r, k = w.shape
@@ -410,8 +404,8 @@ def moe_experts_triton(
     config: MoeConfig | None = None,
 ) -> torch.Tensor:
     """cuda.moe_experts as two Triton kernels. x [N, H]; weights [N, k]; ids [N, k]; gate_up [E, 2I, H];
-    down [E, H, I] -> [N, H] in x's dtype. `config` overrides `config_for` (benchmarks)."""
-    cfg = config or config_for(x, gate_up)
+    down [E, H, I] -> [N, H] in x's dtype. `config` overrides CONFIGS[DEFAULT_CONFIG] (benchmarks)."""
+    cfg = config or CONFIGS[DEFAULT_CONFIG]
     k = ids.shape[1]
     perm, bounds = sort_pairs(ids, gate_up.shape[0])
     act = gate_up_act(x, gate_up, perm, bounds, k, cfg.gate_up)
