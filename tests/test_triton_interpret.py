@@ -122,6 +122,24 @@ def _check_softmax() -> None:
         got = ts.softmax_rows(x, torch.float32, causal, valid=torch.tensor([n_valid], dtype=torch.int32))
         assert float((got.double() - want).abs().max()) < 1e-6, (n_cols, n_valid, causal)
         assert bool((got.masked_select(~keep.expand_as(got)) == 0).all())
+    # exp_rows: p / sums is the softmax; a row whose max lies past the first block by more than 64 (written
+    # again from its max: exp(x - c) overflowed there), with and without a count of valid columns
+    for n_cols, n_valid in ((700, None), (2 * ts.BLOCK + 5, None), (2 * ts.BLOCK + 5, ts.BLOCK + 9)):
+        x = torch.randn(2, 3, n_cols, generator=g) * 8
+        x[1, 2, n_cols - 10 if n_valid is None else n_valid - 3] = 300.0
+        valid = None if n_valid is None else torch.tensor([n_valid], dtype=torch.int32)
+        keep = torch.arange(n_cols) < (n_valid or n_cols)
+        want = torch.softmax(x.double().masked_fill(~keep, float("-inf")), dim=-1)
+        p, sums = ts.exp_rows(x, torch.float32, valid)
+        assert sums.shape == x.shape[:-1] and bool(torch.isfinite(p).all()), (n_cols, n_valid)
+        assert float((p.double() / sums.double()[..., None] - want).abs().max()) < 1e-6, (n_cols, n_valid)
+        assert bool((p[..., ~keep] == 0).all())
+    # divide_rows into o_proj's rows: x [H, G*T, n] to [T, H, G, n], here G = 2 and T = 3
+    y, sums = torch.randn(2, 6, 40, generator=g), torch.rand(2, 6, generator=g) + 0.5
+    rows = torch.empty(3, 2, 2, 40)
+    ts.divide_rows(y, sums, rows.permute(1, 2, 0, 3))
+    want_rows = (y / sums[..., None]).view(2, 2, 3, 40).permute(2, 0, 1, 3)
+    assert float((rows - want_rows).abs().max()) <= 1e-6 * float(rows.abs().max())
     with pytest.raises(ValueError, match="fp32 rows"):
         ts.softmax_rows(torch.zeros(2, 4, dtype=torch.float64), torch.float32)
     with pytest.raises(ValueError, match="one int32"):

@@ -84,8 +84,14 @@ def test_device_length_kernels_compile_for_sm90():
     assert re.search(r"mma\S*\.bf16\.bf16", ptx)
     sig = {"x_ptr": "*fp32", "y_ptr": "*bf16", "valid_ptr": "*i32"}
     sig.update(dict.fromkeys(("n_cols", "stride_x", "stride_y", "base", "period"), "i32"))
-    ptx = _ptx(ts._softmax_rows_kernel, sig, {"BLOCK": 2048, "HAS_VALID": True}, {"num_warps": 8})
-    assert re.search(r"ex2\.approx", ptx)  # the exponentials, on the fast path
+    sig.update(sum_ptr="*fp32")
+    for normalize in (True, False):  # softmax_rows, exp_rows
+        consts = {"BLOCK": 2048, "HAS_VALID": True, "NORMALIZE": normalize}
+        ptx = _ptx(ts._softmax_rows_kernel, sig, consts, {"num_warps": 8})
+        assert re.search(r"ex2\.approx", ptx)  # the exponentials, on the fast path
+    sig = {"x_ptr": "*fp32", "sums_ptr": "*fp32", "y_ptr": "*bf16"}
+    sig.update(dict.fromkeys(("G", "T", "n_cols", "stride_yh", "stride_yg", "stride_yt"), "i32"))
+    assert "div" in _ptx(ts._divide_rows_kernel, sig, {"BLOCK": 512}, {"num_warps": 4})
 
 
 def _moe_ptx(kernel: str, act: str, tma: bool, pdl: bool = True, swap_ab: bool = False) -> str:

@@ -40,14 +40,42 @@ def test_moe_grouped_matches_reference(n):
     assert rel(ref.moe_experts(x, w, ids, gu, dn), want) < 1e-2
 
 
-@pytest.mark.parametrize("hd,hkv,s", [(256, 8, 1279), (512, 2, 33024)])
-def test_attention_nomask_matches_reference(hd, hkv, s):
+@pytest.mark.parametrize(
+    "hd,hkv,s,n_valid", [(256, 8, 1279, None), (512, 2, 33024, None), (512, 2, 33792, 33024)]
+)
+def test_attention_nomask_matches_reference(hd, hkv, s, n_valid):
     q = torch.randn(1, 16, 256, hd, device=DEV, dtype=torch.bfloat16) * hd**-0.25
     k = torch.randn(1, hkv, s, hd, device=DEV, dtype=torch.bfloat16) * hd**-0.25
     v = torch.randn(1, hkv, s, hd, device=DEV, dtype=torch.bfloat16)
-    want = ref.attention(q.float(), k.float(), v.float(), None)
-    assert rel(fast.attention_nomask(q, k, v), want) < 1e-2
+    valid = None if n_valid is None else torch.tensor([n_valid], device=DEV, dtype=torch.int32)
+    n = n_valid or s
+    want = ref.attention(q.float(), k[:, :, :n].float(), v[:, :, :n].float(), None)
+    assert rel(fast.attention_nomask(q, k, v, valid=valid), want) < 1e-2
     assert "triton_attn" not in fast.triton_failed_kernels  # d=256 ran the split-KV kernel, not SDPA
+    assert "triton_softmax" not in fast.triton_failed_kernels  # d=512: its Triton passes, not torch's
+
+
+def test_exp_to_and_divide_rows_give_the_softmax():
+    """p / sums = softmax to within p's bf16 rounding; a row whose max lies far past the first block (written
+    again from its max) and a device-side count of valid columns."""
+    scores = torch.randn(2, 2048, 33024, device=DEV) * 6  # the shape of a full layer's scores at 32k
+    scores[0, 5, 30000] = 300.0  # 250+ above the first block's max: exp(s - c) would overflow
+    for n_valid in (None, 20000):
+        valid = None if n_valid is None else torch.tensor([n_valid], device=DEV, dtype=torch.int32)
+        keep = torch.arange(scores.shape[-1], device=DEV) < (n_valid or scores.shape[-1])
+        want = torch.softmax(scores.double().masked_fill(~keep, float("-inf")), dim=-1)
+        p, sums = fast.exp_to(scores, torch.bfloat16, valid)
+        assert "triton_softmax" not in fast.triton_failed_kernels
+        assert (
+            p.dtype == torch.bfloat16 and bool(torch.isfinite(p).all()) and bool((p[..., ~keep] == 0).all())
+        )
+        got = p.double() / sums.double()[..., None]
+        assert bool(((got - want).abs() <= want * (2**-8 + 1e-5) + 1e-30).all())  # half a bf16 ulp
+        v = torch.randn(2, 33024, 512, device=DEV, dtype=torch.bfloat16)
+        rows = torch.empty(256, 2, 8, 512, device=DEV, dtype=torch.bfloat16)  # [T, Hkv, G, d], T * G = 2048
+        out = fast.divide_rows(torch.bmm(p, v, out_dtype=torch.float32), sums, rows.permute(1, 2, 0, 3))
+        want_rows = (want @ v.double()).view(2, 8, 256, 512).permute(2, 0, 1, 3)
+        assert rel(rows, want_rows) < 1e-2 and out.data_ptr() == rows.data_ptr()
 
 
 def test_softmax_to_bf16_matches_torch():

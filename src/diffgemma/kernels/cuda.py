@@ -170,9 +170,10 @@ def attention_nomask(
     SDPA's 35 us a layer on an H200, whose cuDNN kernel fills only 64 of the 132 SMs) and returns a view of the
     [T, H, d] rows o_proj reads, else SDPA. d = 512 (full layers) has no flash kernel and PyTorch's
     memory-efficient one ran at ~90 TFLOP/s on an H200 (3 ms per layer at 32k); there the scores are
-    materialized instead: two cuBLAS GEMMs at several hundred TFLOP/s around an fp32 softmax. The scores come
-    out of the GEMM in fp32 (bf16 products, fp32 accumulation, as in the fused kernels) and P is rounded to the
-    value dtype before P @ V, as flash kernels do. Memory: Hkv * g*T * S * 6 bytes (3 GiB at 128k).
+    materialized instead: two cuBLAS GEMMs at several hundred TFLOP/s around one Triton pass over the fp32
+    scores. As in flash kernels: the scores in fp32 (bf16 products, fp32 accumulation), P = exp(s - c)
+    unnormalized and rounded to the value dtype before P @ V (fp32 out), the division by the row sums after it.
+    Memory: Hkv * g*T * S * 6 bytes (3 GiB at 128k).
 
     Read on the device, so that a CUDA graph serves any cache length: `span` = (int32 [2], n_max), the keys are
     slots span[0] .. span[0] + span[1] of k and v (at most n_max of them); `valid` (int32 [1]): only the first
@@ -182,7 +183,12 @@ def attention_nomask(
     qf = q.reshape(1, hkv, (h // hkv) * t, d)
     if d > 256 and q.is_cuda and span is None:
         scores = torch.bmm(qf[0], k[0].transpose(1, 2), out_dtype=torch.float32)  # [Hkv, g*T, S]
-        return torch.bmm(softmax_to(scores, v.dtype, valid=valid), v[0]).reshape(1, h, t, d)
+        p, sums = exp_to(scores, v.dtype, valid=valid)
+        # the output lands in o_proj's input rows [T, H, d]: `ref.rows` of the returned view is free
+        rows = torch.empty(t, h, d, device=q.device, dtype=q.dtype)
+        out = rows.view(t, hkv, h // hkv, d).permute(1, 2, 0, 3)
+        divide_rows(torch.bmm(p, v[0], out_dtype=torch.float32), sums, out)
+        return rows.transpose(0, 1)[None]
     ta = triton_attn_for(q) if valid is None else None
     if ta is not None:
         try:
@@ -232,6 +238,37 @@ def softmax_to(
     if valid is not None:
         scores = scores.masked_fill(cols >= valid, float("-inf"))
     return torch.softmax(scores, dim=-1).to(dtype)
+
+
+def exp_to(
+    scores: torch.Tensor, dtype: torch.dtype, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p, sums): p = exp(scores - c) in dtype, c near each row's max, and sums its fp32 row sums before
+    rounding: softmax(scores) = p / sums (flash kernels' P, the division after P @ V). One Triton pass
+    (kernels/triton_softmax.py `exp_rows`) on CUDA where triton works, else torch. `valid` as for softmax_to."""
+    tk = _triton_kernels("triton_softmax") if scores.is_cuda else None
+    if tk is not None:
+        try:
+            return tk.exp_rows(scores, dtype, valid)
+        except Exception as e:  # noqa: BLE001 - any failure: torch from then on, loudly
+            triton_failed("triton_softmax", e)
+    if valid is not None:
+        scores = scores.masked_fill(
+            torch.arange(scores.shape[-1], device=scores.device) >= valid, float("-inf")
+        )
+    p = torch.exp(scores - scores.amax(-1, keepdim=True))
+    return p.to(dtype), p.sum(-1)
+
+
+def divide_rows(x: torch.Tensor, sums: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [H, G, T, n] = x [H, G*T, n] fp32 / sums[..., None], rounded once to out's dtype."""
+    tk = _triton_kernels("triton_softmax") if x.is_cuda else None
+    if tk is not None:
+        try:
+            return tk.divide_rows(x, sums, out)
+        except Exception as e:  # noqa: BLE001 - any failure: torch from then on, loudly
+            triton_failed("triton_softmax", e)
+    return out.copy_((x / sums[..., None]).view(out.shape))
 
 
 def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
