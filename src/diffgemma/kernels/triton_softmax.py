@@ -10,7 +10,7 @@ The causal prefill blocks pass a causal limit per row: the columns past it count
 
 `exp_rows` (the denoise step): one read. It writes exp(x - c) unnormalized, c the row's first block's max, and
 the row's sum of it, as flash kernels hold P; `divide_rows` divides P @ V (fp32) by the sums and writes o_proj's
-rows. One layer's attention took 0.70 against 0.83-0.84 ms at 32k on an H200 (session 19). S is a runtime
+rows. One layer's attention took 0.70 against 0.82-0.84 ms at 32k on an H200 (session 19). S is a runtime
 argument (it grows every block), so there is one compile per block size, not per context length.
 """
 
