@@ -130,10 +130,17 @@ def _check_softmax() -> None:
         valid = None if n_valid is None else torch.tensor([n_valid], dtype=torch.int32)
         keep = torch.arange(n_cols) < (n_valid or n_cols)
         want = torch.softmax(x.double().masked_fill(~keep, float("-inf")), dim=-1)
-        p, sums = ts.exp_rows(x, torch.float32, valid)
+        p, sums = ts.exp_rows(x, torch.float32, valid=valid)
         assert sums.shape == x.shape[:-1] and bool(torch.isfinite(p).all()), (n_cols, n_valid)
         assert float((p.double() / sums.double()[..., None] - want).abs().max()) < 1e-6, (n_cols, n_valid)
         assert bool((p[..., ~keep] == 0).all())
+    # exp_rows under a causal limit (a prefill chunk's block): row r keeps its first base + r % period columns
+    x = torch.randn(2, 8, 2 * ts.BLOCK + 5, generator=g) * 8
+    keep = torch.arange(x.shape[-1])[None, :] < ts.BLOCK - 1 + torch.arange(8)[:, None] % 4
+    want = torch.softmax(x.double().masked_fill(~keep, float("-inf")), dim=-1)
+    p, sums = ts.exp_rows(x, torch.float32, (ts.BLOCK - 1, 4))
+    assert float((p.double() / sums.double()[..., None] - want).abs().max()) < 1e-6
+    assert bool((p.masked_select(~keep.expand_as(p)) == 0).all())
     # divide_rows into o_proj's rows: x [H, G*T, n] to [T, H, G, n], here G = 2 and T = 3
     y, sums = torch.randn(2, 6, 40, generator=g), torch.rand(2, 6, generator=g) + 0.5
     rows = torch.empty(3, 2, 2, 40)

@@ -64,7 +64,7 @@ def test_exp_to_and_divide_rows_give_the_softmax():
         valid = None if n_valid is None else torch.tensor([n_valid], device=DEV, dtype=torch.int32)
         keep = torch.arange(scores.shape[-1], device=DEV) < (n_valid or scores.shape[-1])
         want = torch.softmax(scores.double().masked_fill(~keep, float("-inf")), dim=-1)
-        p, sums = fast.exp_to(scores, torch.bfloat16, valid)
+        p, sums = fast.exp_to(scores, torch.bfloat16, valid=valid)
         assert "triton_softmax" not in fast.triton_failed_kernels
         assert (
             p.dtype == torch.bfloat16 and bool(torch.isfinite(p).all()) and bool((p[..., ~keep] == 0).all())

@@ -182,12 +182,12 @@ def attention_nomask(
     hkv = k.shape[1]
     qf = q.reshape(1, hkv, (h // hkv) * t, d)
     if d > 256 and q.is_cuda and span is None:
-        scores = torch.bmm(qf[0], k[0].transpose(1, 2), out_dtype=torch.float32)  # [Hkv, g*T, S]
+        scores = _bmm_fp32(qf[0], k[0].transpose(1, 2))  # [Hkv, g*T, S]
         p, sums = exp_to(scores, v.dtype, valid=valid)
         # the output lands in o_proj's input rows [T, H, d]: `ref.rows` of the returned view is free
         rows = torch.empty(t, h, d, device=q.device, dtype=q.dtype)
         out = rows.view(t, hkv, h // hkv, d).permute(1, 2, 0, 3)
-        divide_rows(torch.bmm(p, v[0], out_dtype=torch.float32), sums, out)
+        divide_rows(_bmm_fp32(p, v[0]), sums, out)
         return rows.transpose(0, 1)[None]
     ta = triton_attn_for(q) if valid is None else None
     if ta is not None:
@@ -230,6 +230,34 @@ def softmax_to(
             return tk.softmax_rows(scores, dtype, causal, valid)
         except Exception as e:  # noqa: BLE001 - any failure: torch from then on, loudly
             triton_failed("triton_softmax", e)
+    return torch.softmax(_masked_scores(scores, causal, valid), dim=-1).to(dtype)
+
+
+def exp_to(
+    scores: torch.Tensor,
+    dtype: torch.dtype,
+    causal: tuple[int, int] | None = None,
+    valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p, sums): p = exp(scores - c) in dtype, c near each row's max, and sums its fp32 row sums before
+    rounding: softmax(scores) = p / sums (flash kernels' P, the division after P @ V). One Triton pass
+    (kernels/triton_softmax.py `exp_rows`) on CUDA where triton works, else torch. `causal` and `valid` as for
+    softmax_to."""
+    tk = _triton_kernels("triton_softmax") if scores.is_cuda else None
+    if tk is not None:
+        try:
+            return tk.exp_rows(scores, dtype, causal, valid)
+        except Exception as e:  # noqa: BLE001 - any failure: torch from then on, loudly
+            triton_failed("triton_softmax", e)
+    scores = _masked_scores(scores, causal, valid)
+    p = torch.exp(scores - scores.amax(-1, keepdim=True))
+    return p.to(dtype), p.sum(-1)
+
+
+def _masked_scores(
+    scores: torch.Tensor, causal: tuple[int, int] | None, valid: torch.Tensor | None
+) -> torch.Tensor:
+    """scores with -inf where `causal` or `valid` (softmax_to's) leave a column out."""
     cols = torch.arange(scores.shape[-1], device=scores.device)
     if causal is not None:
         base, period = causal
@@ -237,27 +265,7 @@ def softmax_to(
         scores = scores.masked_fill(cols >= base + r, float("-inf"))
     if valid is not None:
         scores = scores.masked_fill(cols >= valid, float("-inf"))
-    return torch.softmax(scores, dim=-1).to(dtype)
-
-
-def exp_to(
-    scores: torch.Tensor, dtype: torch.dtype, valid: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(p, sums): p = exp(scores - c) in dtype, c near each row's max, and sums its fp32 row sums before
-    rounding: softmax(scores) = p / sums (flash kernels' P, the division after P @ V). One Triton pass
-    (kernels/triton_softmax.py `exp_rows`) on CUDA where triton works, else torch. `valid` as for softmax_to."""
-    tk = _triton_kernels("triton_softmax") if scores.is_cuda else None
-    if tk is not None:
-        try:
-            return tk.exp_rows(scores, dtype, valid)
-        except Exception as e:  # noqa: BLE001 - any failure: torch from then on, loudly
-            triton_failed("triton_softmax", e)
-    if valid is not None:
-        scores = scores.masked_fill(
-            torch.arange(scores.shape[-1], device=scores.device) >= valid, float("-inf")
-        )
-    p = torch.exp(scores - scores.amax(-1, keepdim=True))
-    return p.to(dtype), p.sum(-1)
+    return scores
 
 
 def divide_rows(x: torch.Tensor, sums: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -400,12 +408,12 @@ SCORE_BYTES = 2 << 30
 MAX_QUERY_BLOCK = 1024
 
 
-def _scores_fp32(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q [B, M, d] @ k [B, N, d]^T in fp32: 16-bit products with fp32 accumulation on CUDA (no rounded
-    scores in between), an fp32 GEMM elsewhere."""
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        return torch.bmm(q, k.transpose(1, 2), out_dtype=torch.float32)
-    return torch.bmm(q.float(), k.float().transpose(1, 2))
+def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, M, K] @ b [B, K, N] in fp32: 16-bit products with fp32 accumulation on CUDA (no rounded
+    output), an fp32 GEMM elsewhere."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
 
 
 def attention_causal_scores(
@@ -413,8 +421,8 @@ def attention_causal_scores(
 ) -> torch.Tensor:
     """attention_causal_past with the scores materialized, as attention_nomask does for d = 512 (where the
     memory-efficient SDPA kernel took 2.8 ms per call on an H200 for a 4k chunk): per block of queries, an fp32
-    score GEMM over the past and the chunk's keys up to the block's end, a softmax to the value dtype that
-    gives 0 above the diagonal, a P @ V GEMM. GQA is folded into the rows ([Hkv, g*block]), so each KV head is
+    score GEMM over the past and the chunk's keys up to the block's end, `exp_to` (0 above the diagonal), a
+    P @ V GEMM in fp32 and the division by the row sums into the output rows. GQA is folded into the rows ([Hkv, g*block]), so each KV head is
     read once per block. q [1, H, T, d], keys/vals [1, Hkv, P + T, d] (the chunk's last); scale 1. Returns rows
     [T, H * d].
 
@@ -431,10 +439,10 @@ def attention_causal_scores(
     for s in range(0, t, block):
         e = min(t, s + block)
         n = e - s
-        scores = _scores_fp32(q4[:, :, s:e].reshape(hkv, g * n, d), keys[0, :, : p + e])  # [Hkv, g*n, P+e]
+        scores = _bmm_fp32(q4[:, :, s:e].reshape(hkv, g * n, d), keys[0, :, : p + e].transpose(1, 2))
         # row i of each n (query s+i) sees the past and chunk keys up to its own: the first p + s + i + 1
-        probs = softmax_to(scores, vals.dtype, causal=(p + s + 1, n))
-        out[s:e] = torch.bmm(probs, vals[0, :, : p + e]).view(hkv, g, n, d).permute(2, 0, 1, 3)
+        probs, sums = exp_to(scores, vals.dtype, causal=(p + s + 1, n))
+        divide_rows(_bmm_fp32(probs, vals[0, :, : p + e]), sums, out[s:e].permute(1, 2, 0, 3))
     return out.view(t, h * d)
 
 

@@ -5,10 +5,10 @@ scores are materialized as [Hkv, g*C, S] fp32 (`cuda.attention_nomask` in a deno
 `softmax_rows`: one program owns a row and reads it twice: pass 1 keeps a per-lane running max and rescaled sum
 (an online softmax), pass 2 writes exp(x - max) / sum in the output dtype: 2 reads of fp32 and 1 write of bf16,
 0.33 ms a layer at 32k on an H200 (~4.1 TB/s), where `torch.softmax(scores).to(bf16)` took 0.89 + 0.11 ms.
-The causal prefill blocks pass a causal limit per row: the columns past it count as -inf and are written as 0
+Causal prefill blocks pass a causal limit per row: the columns past it count as -inf and are written as 0
 (whole blocks past it without a read), in place of a masked_fill pass (57 us a call in a 4096-token chunk).
 
-`exp_rows` (the denoise step): one read. It writes exp(x - c) unnormalized, c the row's first block's max, and
+`exp_rows`: one read. It writes exp(x - c) unnormalized, c the row's first block's max, and
 the row's sum of it, as flash kernels hold P; `divide_rows` divides P @ V (fp32) by the sums and writes o_proj's
 rows. One layer's attention took 0.70 against 0.82-0.84 ms at 32k on an H200 (session 19). S is a runtime
 argument (it grows every block), so there is one compile per block size, not per context length.
@@ -115,12 +115,16 @@ def softmax_rows(
 
 
 def exp_rows(
-    x: torch.Tensor, dtype: torch.dtype, valid: torch.Tensor | None = None
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    causal: tuple[int, int] | None = None,
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(p, sums): p = exp(x - c) in `dtype` with c near each row's max (within 64 below it), sums [rows] fp32
-    its row sums before rounding, so that softmax(x) = p / sums; one read of x. `valid` as for softmax_rows."""
+    its row sums before rounding, so that softmax(x) = p / sums; one read of x. `causal` and `valid` as for
+    softmax_rows."""
     sums = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
-    return _launch(x, dtype, None, valid, sums), sums
+    return _launch(x, dtype, causal, valid, sums), sums
 
 
 def _launch(
