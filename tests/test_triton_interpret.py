@@ -1,5 +1,5 @@
 """The Triton kernels run by Triton's CPU interpreter at small shapes: the MoE kernels (kernels/triton_moe.py)
-against torch_ref in fp32 and the grouped-GEMM path in bf16, the row softmax (kernels/triton_softmax.py)
+against torch_ref in fp32 and the grouped-GEMM path in bf16, the rows' exp and sums (kernels/triton_softmax.py)
 against torch.softmax, the router's top-k and sort (kernels/triton_route.py) against its spec, the Q/K/V norms
 and RoPE (kernels/triton_qkv.py) against the eager region. Skipped without triton.
 
@@ -86,61 +86,48 @@ def _check_moe() -> None:
 
 
 def _check_softmax() -> None:
-    """Rows longer than one block and not a multiple of it, a wide range of scores, fp32 and bf16 out."""
+    """exp_rows: p / sums is the softmax (and p is 0 past a row's limit) for rows longer than one block and not a
+    multiple of it, a wide range of scores, fp32 and bf16 out, causal limits and a device-side count of valid
+    columns; divide_rows into o_proj's rows."""
     from diffgemma.kernels import triton_softmax as ts
+
+    def check(x, causal=None, n_valid=None, dtype=torch.float32, tol=1e-6):
+        valid = None if n_valid is None else torch.tensor([n_valid], dtype=torch.int32)
+        cols = torch.arange(x.shape[-1])
+        keep = cols[None, :] < (n_valid or x.shape[-1])
+        if causal is not None:
+            keep = keep & (cols[None, :] < causal[0] + torch.arange(x.shape[-2])[:, None] % causal[1])
+        want = torch.softmax(x.double().masked_fill(~keep, float("-inf")), dim=-1)
+        p, sums = ts.exp_rows(x, dtype, causal, valid)
+        assert p.shape == x.shape and p.dtype == dtype and sums.shape == x.shape[:-1]
+        assert bool(torch.isfinite(p).all()) and bool((p.masked_select(~keep.expand_as(p)) == 0).all())
+        got = p.double() / sums.double()[..., None]
+        assert bool(((got - want).abs() <= want * tol + 1e-12).all()), (x.shape, causal, n_valid, dtype)
 
     g = torch.Generator().manual_seed(0)
     for n_cols in (1, 700, ts.BLOCK, 2 * ts.BLOCK + 5):
         x = torch.randn(3, 2, n_cols, generator=g) * 8
-        want = torch.softmax(x.double(), dim=-1)
-        got = ts.softmax_rows(x, torch.float32)
-        assert got.shape == x.shape and float((got.double() - want).abs().max()) < 1e-6, n_cols
+        check(x)
         # the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest): within one bf16 ulp
-        got_bf = ts.softmax_rows(x, torch.bfloat16).double()
-        assert got_bf.shape == x.shape and bool(((got_bf - want).abs() <= want * 2**-7 + 1e-30).all()), n_cols
+        check(x, dtype=torch.bfloat16, tol=2**-7)
+    # a row whose max lies past the first block by more than 64: exp(x - c) overflowed there, and the row is
+    # written again from its max
+    x = torch.randn(2, 3, 2 * ts.BLOCK + 5, generator=g) * 8
+    x[1, 2, -10] = 300.0
+    check(x)
+    x[1, 2, ts.BLOCK + 3] = 400.0
+    check(x, n_valid=ts.BLOCK + 9)
     # causal (base, period): row r keeps its first base + r % period columns (capped at the row), zeros after;
     # the causal blocks of a full-layer prefill chunk, limits on both sides of a block boundary
     for n_cols, base, period in ((700, 5, 3), (2 * ts.BLOCK + 5, ts.BLOCK - 1, 4), (40, 38, 5)):
-        x = torch.randn(2, 2 * period, n_cols, generator=g) * 8
-        r = torch.arange(2 * period)[:, None] % period
-        keep = torch.arange(n_cols)[None, :] < base + r
-        want = torch.softmax(x.double().masked_fill(~keep, float("-inf")), dim=-1)
-        got = ts.softmax_rows(x, torch.float32, (base, period))
-        assert float((got.double() - want).abs().max()) < 1e-6, (n_cols, base, period)
-        assert bool((got.masked_select(~keep.expand_as(got)) == 0).all())  # exact zeros past the limit
+        check(torch.randn(2, 2 * period, n_cols, generator=g) * 8, causal=(base, period))
     # a device-side count of valid columns (the denoise graph's keys), alone and under a causal limit
     for n_cols, n_valid, causal in (
         (700, 300, None),
         (2 * ts.BLOCK + 5, ts.BLOCK + 1, None),
         (40, 20, (15, 4)),
     ):
-        x = torch.randn(2, 8, n_cols, generator=g) * 8
-        keep = torch.arange(n_cols)[None, :] < n_valid
-        if causal is not None:
-            keep = keep & (torch.arange(n_cols)[None, :] < causal[0] + torch.arange(8)[:, None] % causal[1])
-        want = torch.softmax(x.double().masked_fill(~keep, float("-inf")), dim=-1)
-        got = ts.softmax_rows(x, torch.float32, causal, valid=torch.tensor([n_valid], dtype=torch.int32))
-        assert float((got.double() - want).abs().max()) < 1e-6, (n_cols, n_valid, causal)
-        assert bool((got.masked_select(~keep.expand_as(got)) == 0).all())
-    # exp_rows: p / sums is the softmax; a row whose max lies past the first block by more than 64 (written
-    # again from its max: exp(x - c) overflowed there), with and without a count of valid columns
-    for n_cols, n_valid in ((700, None), (2 * ts.BLOCK + 5, None), (2 * ts.BLOCK + 5, ts.BLOCK + 9)):
-        x = torch.randn(2, 3, n_cols, generator=g) * 8
-        x[1, 2, n_cols - 10 if n_valid is None else n_valid - 3] = 300.0
-        valid = None if n_valid is None else torch.tensor([n_valid], dtype=torch.int32)
-        keep = torch.arange(n_cols) < (n_valid or n_cols)
-        want = torch.softmax(x.double().masked_fill(~keep, float("-inf")), dim=-1)
-        p, sums = ts.exp_rows(x, torch.float32, valid=valid)
-        assert sums.shape == x.shape[:-1] and bool(torch.isfinite(p).all()), (n_cols, n_valid)
-        assert float((p.double() / sums.double()[..., None] - want).abs().max()) < 1e-6, (n_cols, n_valid)
-        assert bool((p[..., ~keep] == 0).all())
-    # exp_rows under a causal limit (a prefill chunk's block): row r keeps its first base + r % period columns
-    x = torch.randn(2, 8, 2 * ts.BLOCK + 5, generator=g) * 8
-    keep = torch.arange(x.shape[-1])[None, :] < ts.BLOCK - 1 + torch.arange(8)[:, None] % 4
-    want = torch.softmax(x.double().masked_fill(~keep, float("-inf")), dim=-1)
-    p, sums = ts.exp_rows(x, torch.float32, (ts.BLOCK - 1, 4))
-    assert float((p.double() / sums.double()[..., None] - want).abs().max()) < 1e-6
-    assert bool((p.masked_select(~keep.expand_as(p)) == 0).all())
+        check(torch.randn(2, 8, n_cols, generator=g) * 8, causal, n_valid)
     # divide_rows into o_proj's rows: x [H, G*T, n] to [T, H, G, n], here G = 2 and T = 3
     y, sums = torch.randn(2, 6, 40, generator=g), torch.rand(2, 6, generator=g) + 0.5
     rows = torch.empty(3, 2, 2, 40)
@@ -148,9 +135,11 @@ def _check_softmax() -> None:
     want_rows = (y / sums[..., None]).view(2, 2, 3, 40).permute(2, 0, 1, 3)
     assert float((rows - want_rows).abs().max()) <= 1e-6 * float(rows.abs().max())
     with pytest.raises(ValueError, match="fp32 rows"):
-        ts.softmax_rows(torch.zeros(2, 4, dtype=torch.float64), torch.float32)
+        ts.exp_rows(torch.zeros(2, 4, dtype=torch.float64), torch.float32)
     with pytest.raises(ValueError, match="one int32"):
-        ts.softmax_rows(torch.zeros(2, 4), torch.float32, valid=torch.tensor([2]))
+        ts.exp_rows(torch.zeros(2, 4), torch.float32, valid=torch.tensor([2]))
+    with pytest.raises(ValueError, match="does not hold"):
+        ts.divide_rows(y, sums, torch.empty(2, 2, 2, 40))
 
 
 def check_route_sort(logits: torch.Tensor, pes: torch.Tensor, k: int) -> None:

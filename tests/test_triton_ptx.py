@@ -68,8 +68,8 @@ def test_combine_has_no_fused_multiply_add():
 
 def test_device_length_kernels_compile_for_sm90():
     # the length-independent denoise graph's kernels, with their lengths read on the device: the split-KV
-    # attention (on the tensor cores) and the row softmax; a kernel that fails to compile on the GPU switches
-    # its module off for the process, so the compile is checked here first
+    # attention (on the tensor cores), the rows' exp and their division; a kernel that fails to compile on the
+    # GPU switches its module off for the process, so the compile is checked here first
     from diffgemma.kernels import triton_attn as ta
     from diffgemma.kernels import triton_softmax as ts
 
@@ -82,13 +82,10 @@ def test_device_length_kernels_compile_for_sm90():
     consts = {"D": 256, "BLOCK_M": 64, "BLOCK_N": 64, "SPLIT_BLOCKS": 10, "HAS_SPAN": True, "PDL": True}
     ptx = _ptx(ta._splitkv_kernel, sig, consts, {"num_warps": 4, "num_stages": 3})
     assert re.search(r"mma\S*\.bf16\.bf16", ptx)
-    sig = {"x_ptr": "*fp32", "y_ptr": "*bf16", "valid_ptr": "*i32"}
+    sig = {"x_ptr": "*fp32", "y_ptr": "*bf16", "sum_ptr": "*fp32", "valid_ptr": "*i32"}
     sig.update(dict.fromkeys(("n_cols", "stride_x", "stride_y", "base", "period"), "i32"))
-    sig.update(sum_ptr="*fp32")
-    for normalize in (True, False):  # softmax_rows, exp_rows
-        consts = {"BLOCK": 2048, "HAS_VALID": True, "NORMALIZE": normalize}
-        ptx = _ptx(ts._softmax_rows_kernel, sig, consts, {"num_warps": 8})
-        assert re.search(r"ex2\.approx", ptx)  # the exponentials, on the fast path
+    ptx = _ptx(ts._exp_rows_kernel, sig, {"BLOCK": 2048, "HAS_VALID": True}, {"num_warps": 8})
+    assert re.search(r"ex2\.approx", ptx)  # the exponentials, on the fast path
     sig = {"x_ptr": "*fp32", "sums_ptr": "*fp32", "y_ptr": "*bf16"}
     sig.update(dict.fromkeys(("G", "T", "n_cols", "stride_yh", "stride_yg", "stride_yt"), "i32"))
     assert "div" in _ptx(ts._divide_rows_kernel, sig, {"BLOCK": 512}, {"num_warps": 4})

@@ -1,4 +1,4 @@
-"""The full layers' denoise attention (head_dim 512): the softmax normalized before P @ V (two reads of the fp32
+"""Ran in session 19's calls 5-6 at 32d44f5, where `cuda.softmax_to` (the old path) still existed. The full layers' denoise attention (head_dim 512): the softmax normalized before P @ V (two reads of the fp32
 scores, `softmax_to`; "old") against exp_to + divide_rows (one read, the division after P @ V in fp32; "new").
 1. One layer's attention alone at the real shape (graphs of 4 calls), and each path's error against fp64.
 2. The denoise step in one process (random weights, init hf), graphs of each path replayed alternately, the

@@ -1,4 +1,4 @@
-"""The full layers' prefill attention (`cuda.attention_causal_scores`): the softmax normalized before P @ V (two
+"""Ran in session 19's call 7 at 936d44b, where `cuda.softmax_to` (the old path) still existed. The full layers' prefill attention (`cuda.attention_causal_scores`): the softmax normalized before P @ V (two
 reads of the fp32 scores; "old") against exp_to + divide_rows (one read; "new").
 1. One 4,096-token chunk's attention at the real shape after 4k, 28k and 124k cached tokens (graphs of 2 calls).
 2. Prefill of 32,768 tokens on the real model (random weights), old and new alternately, 3 times each."""

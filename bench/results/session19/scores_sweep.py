@@ -1,4 +1,4 @@
-"""Ran at session 19's calls 3-4 on the scores kernel of `scores_kernel.diff` (not kept). A full layer's denoise attention (2 KV heads, 2,048 folded query rows, head_dim 512, keys in the cache's
+"""Ran in session 19's calls 3-4 with `scores_kernel.diff` applied (not kept), where `cuda.softmax_to` still existed. A full layer's denoise attention (2 KV heads, 2,048 folded query rows, head_dim 512, keys in the cache's
 buffer with a device-side valid count, as in the graph): the path in use (cuBLAS scores in fp32, the two-read
 Triton softmax, cuBLAS P @ V) against the Triton scores kernel that also writes each tile's row max and sum,
 so that the softmax reads the scores once (`triton_softmax.scores`, `softmax_rows(stats=)`), for several tiles.

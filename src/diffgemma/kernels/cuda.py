@@ -214,25 +214,6 @@ def attention_nomask(
     return out.reshape(1, h, t, d)
 
 
-def softmax_to(
-    scores: torch.Tensor,
-    dtype: torch.dtype,
-    causal: tuple[int, int] | None = None,
-    valid: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """softmax(scores fp32, dim=-1) rounded to dtype: one Triton pass (kernels/triton_softmax.py) on CUDA where
-    triton works, else torch. `causal` = (base, period): row r keeps only its first base + r % period columns
-    (the rest of it is 0), the causal mask of a block of queries applied in the same pass. `valid` (int32 [1],
-    on the device): no row keeps more than its first valid[0] columns."""
-    tk = _triton_kernels("triton_softmax") if scores.is_cuda else None
-    if tk is not None:
-        try:
-            return tk.softmax_rows(scores, dtype, causal, valid)
-        except Exception as e:  # noqa: BLE001 - any failure: torch from then on, loudly
-            triton_failed("triton_softmax", e)
-    return torch.softmax(_masked_scores(scores, causal, valid), dim=-1).to(dtype)
-
-
 def exp_to(
     scores: torch.Tensor,
     dtype: torch.dtype,
@@ -241,23 +222,15 @@ def exp_to(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(p, sums): p = exp(scores - c) in dtype, c near each row's max, and sums its fp32 row sums before
     rounding: softmax(scores) = p / sums (flash kernels' P, the division after P @ V). One Triton pass
-    (kernels/triton_softmax.py `exp_rows`) on CUDA where triton works, else torch. `causal` and `valid` as for
-    softmax_to."""
+    (kernels/triton_softmax.py `exp_rows`) on CUDA where triton works, else torch. `causal` = (base, period): row
+    r keeps only its first base + r % period columns (the causal mask of a block of queries); `valid` (int32
+    [1], on the device): no row keeps more than its first valid[0] columns. p is 0 past what a row keeps."""
     tk = _triton_kernels("triton_softmax") if scores.is_cuda else None
     if tk is not None:
         try:
             return tk.exp_rows(scores, dtype, causal, valid)
         except Exception as e:  # noqa: BLE001 - any failure: torch from then on, loudly
             triton_failed("triton_softmax", e)
-    scores = _masked_scores(scores, causal, valid)
-    p = torch.exp(scores - scores.amax(-1, keepdim=True))
-    return p.to(dtype), p.sum(-1)
-
-
-def _masked_scores(
-    scores: torch.Tensor, causal: tuple[int, int] | None, valid: torch.Tensor | None
-) -> torch.Tensor:
-    """scores with -inf where `causal` or `valid` (softmax_to's) leave a column out."""
     cols = torch.arange(scores.shape[-1], device=scores.device)
     if causal is not None:
         base, period = causal
@@ -265,7 +238,8 @@ def _masked_scores(
         scores = scores.masked_fill(cols >= base + r, float("-inf"))
     if valid is not None:
         scores = scores.masked_fill(cols >= valid, float("-inf"))
-    return scores
+    p = torch.exp(scores - scores.amax(-1, keepdim=True))
+    return p.to(dtype), p.sum(-1)
 
 
 def divide_rows(x: torch.Tensor, sums: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

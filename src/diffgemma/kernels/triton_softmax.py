@@ -1,17 +1,14 @@
-"""Row softmax of long fp32 score rows, written straight to bf16: the middle of the head_dim-512 attention, whose
-scores are materialized as [Hkv, g*C, S] fp32 (`cuda.attention_nomask` in a denoise step,
-`cuda.attention_causal_scores` in a prefill chunk).
+"""The softmax of long fp32 score rows in the head_dim-512 attention, whose scores are materialized as
+[Hkv, g*C, S] fp32 (`cuda.attention_nomask` in a denoise step, `cuda.attention_causal_scores` in a prefill
+chunk), held as flash kernels hold P: unnormalized, the division after P @ V.
 
-`softmax_rows`: one program owns a row and reads it twice: pass 1 keeps a per-lane running max and rescaled sum
-(an online softmax), pass 2 writes exp(x - max) / sum in the output dtype: 2 reads of fp32 and 1 write of bf16,
-0.33 ms a layer at 32k on an H200 (~4.1 TB/s), where `torch.softmax(scores).to(bf16)` took 0.89 + 0.11 ms.
-Causal prefill blocks pass a causal limit per row: the columns past it count as -inf and are written as 0
-(whole blocks past it without a read), in place of a masked_fill pass (57 us a call in a 4096-token chunk).
-
-`exp_rows`: one read. It writes exp(x - c) unnormalized, c the row's first block's max, and
-the row's sum of it, as flash kernels hold P; `divide_rows` divides P @ V (fp32) by the sums and writes o_proj's
-rows. One layer's attention took 0.70 against 0.82-0.84 ms at 32k on an H200 (session 19). S is a runtime
-argument (it grows every block), so there is one compile per block size, not per context length.
+`exp_rows`: one program owns a row and reads it once. It writes exp(x - c) in the value dtype, c the row's
+first block's max, and the row's sum of it; `divide_rows` divides P @ V (fp32) by the sums and writes o_proj's
+rows. On an H200 one layer's denoise attention took 0.70 against 0.82-0.84 ms at 32k and a 4,096-token chunk's
+10.18 against 12.42 ms after 28k cached tokens, against the normalized softmax that read the scores twice
+(session 19). A causal block passes a causal limit per row: the columns past it count as -inf and are written
+as 0 (whole blocks past it without a read), in place of a masked_fill pass. S is a runtime argument (it grows
+every block), so there is one compile per block size, not per context length.
 """
 
 from __future__ import annotations
@@ -25,19 +22,18 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _softmax_rows_kernel(
+def _exp_rows_kernel(
     x_ptr,
     y_ptr,
+    sum_ptr,
     valid_ptr,
     n_cols,
     stride_x,
     stride_y,
     base,
     period,
-    sum_ptr,
     BLOCK: tl.constexpr,
     HAS_VALID: tl.constexpr,
-    NORMALIZE: tl.constexpr,
 ):
     row = tl.program_id(0)
     limit = tl.minimum(n_cols, base + row % period)  # columns >= limit count as -inf (int32, as n_cols)
@@ -46,72 +42,42 @@ def _softmax_rows_kernel(
     x_row = x_ptr + row.to(tl.int64) * stride_x
     y_row = y_ptr + row.to(tl.int64) * stride_y
     cols = tl.arange(0, BLOCK)
-    # A finite floor instead of -inf: lanes that only ever see masked (-inf) entries then give
-    # exp(floor - floor) * 0 = 0, never inf - inf.
-    m = tl.full((BLOCK,), -1.0e30, tl.float32)
-    s = tl.zeros((BLOCK,), tl.float32)
-    if NORMALIZE:
-        # while, not range(0, n_cols, BLOCK): Triton 3.6's interpreter cannot bound a range by a runtime
-        # argument. Loads are masked by n_cols (a multiple of 16 lets them vectorize) and the limit applied
-        # after: masked by the limit itself, the loads of a causal block ran ~15% slower than a masked_fill
-        # pass plus this kernel.
-        start = 0
-        while start < limit:
-            x = tl.load(x_row + start + cols, mask=start + cols < n_cols, other=-float("inf"))
-            x = tl.where(start + cols < limit, x, -float("inf"))
-            m_new = tl.maximum(m, x)
-            s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
-            m = m_new
-            start += BLOCK
-        m_row = tl.max(m, axis=0)
-        inv = 1.0 / tl.sum(s * tl.exp(m - m_row), axis=0)
-        start, _, _ = _write_exp(x_row, y_row, cols, n_cols, limit, m_row, inv, BLOCK)
-    else:
-        # One read: exp(x - c) unnormalized, c the first block's max, and the row's sum of it (fp32, of the
-        # values before rounding) to sum_ptr. Any c near the row's max gives the same softmax once divided by
-        # the sum; a row whose max exceeds c by more than 64 (e^64 times a row's length still fits fp32) is
-        # written again from its max.
-        x = tl.load(x_row + cols, mask=cols < n_cols, other=-float("inf"))
-        c = tl.maximum(tl.max(tl.where(cols < limit, x, -float("inf")), axis=0), -1.0e30)
-        start, s, m = _write_exp(x_row, y_row, cols, n_cols, limit, c, 1.0, BLOCK)
-        m_row = tl.max(m, axis=0)
-        if m_row - c > 64.0:
-            start, s, m = _write_exp(x_row, y_row, cols, n_cols, limit, m_row, 1.0, BLOCK)
-        tl.store(sum_ptr + row, tl.sum(s, axis=0))
+    # c: the first block's max, with a finite floor so that a row of masked (-inf) entries gives 0, never nan.
+    # Any c near the row's max gives the same softmax once divided by the sum; a row whose max exceeds c by more
+    # than 64 (e^64 times a row's length still fits fp32) is written again from its max.
+    x = tl.load(x_row + cols, mask=cols < n_cols, other=-float("inf"))
+    c = tl.maximum(tl.max(tl.where(cols < limit, x, -float("inf")), axis=0), -1.0e30)
+    start, s, m = _write_exp(x_row, y_row, cols, n_cols, limit, c, BLOCK)
+    m_row = tl.max(m, axis=0)
+    if m_row - c > 64.0:
+        start, s, m = _write_exp(x_row, y_row, cols, n_cols, limit, m_row, BLOCK)
+    tl.store(sum_ptr + row, tl.sum(s, axis=0))
     while start < n_cols:  # whole blocks past the limit: zeros, nothing read
         tl.store(y_row + start + cols, tl.zeros((BLOCK,), y_ptr.dtype.element_ty), mask=start + cols < n_cols)
         start += BLOCK
 
 
 @triton.jit
-def _write_exp(x_row, y_row, cols, n_cols, limit, c, scale, BLOCK: tl.constexpr):
-    """y = exp(x - c) * scale over the columns below the limit (0 past it in the last partial block). Returns
-    where the first whole block past the limit starts, and per lane the sum of exp(x - c) and the max of x."""
+def _write_exp(x_row, y_row, cols, n_cols, limit, c, BLOCK: tl.constexpr):
+    """y = exp(x - c) over the columns below the limit (0 past it in the last partial block). Returns where the
+    first whole block past the limit starts, and per lane the sum of exp(x - c) (fp32, before rounding) and
+    the max of x."""
     s = tl.zeros((BLOCK,), tl.float32)
     m = tl.full((BLOCK,), -1.0e30, tl.float32)
     start = 0
+    # while, not range(0, n_cols, BLOCK): Triton 3.6's interpreter cannot bound a range by a runtime argument.
+    # Loads are masked by n_cols (a multiple of 16 lets them vectorize) and the limit applied after: masked by
+    # the limit itself, the loads of a causal block ran ~15% slower than a masked_fill pass plus the kernel.
     while start < limit:
         ok = start + cols < n_cols
         x = tl.load(x_row + start + cols, mask=ok, other=-float("inf"))
         x = tl.where(start + cols < limit, x, -float("inf"))
         p = tl.exp(x - c)
-        tl.store(y_row + start + cols, (p * scale).to(y_row.dtype.element_ty), mask=ok)
+        tl.store(y_row + start + cols, p.to(y_row.dtype.element_ty), mask=ok)
         s += p
         m = tl.maximum(m, x)
         start += BLOCK
     return start, s, m
-
-
-def softmax_rows(
-    x: torch.Tensor,
-    dtype: torch.dtype,
-    causal: tuple[int, int] | None = None,
-    valid: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """softmax(x, dim=-1) in fp32, returned in `dtype`; x is fp32 with a contiguous last dimension. `causal` =
-    (base, period): row r (of the rows flattened) keeps its first base + r % period columns, the rest is 0.
-    `valid` (int32 [1] on x's device): every row keeps at most its first valid[0] columns, the rest is 0."""
-    return _launch(x, dtype, causal, valid, None)
 
 
 def exp_rows(
@@ -120,45 +86,34 @@ def exp_rows(
     causal: tuple[int, int] | None = None,
     valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(p, sums): p = exp(x - c) in `dtype` with c near each row's max (within 64 below it), sums [rows] fp32
-    its row sums before rounding, so that softmax(x) = p / sums; one read of x. `causal` and `valid` as for
-    softmax_rows."""
-    sums = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
-    return _launch(x, dtype, causal, valid, sums), sums
-
-
-def _launch(
-    x: torch.Tensor,
-    dtype: torch.dtype,
-    causal: tuple[int, int] | None,
-    valid: torch.Tensor | None,
-    sums: torch.Tensor | None,
-) -> torch.Tensor:
+    """(p, sums) for fp32 x with a contiguous last dimension: p = exp(x - c) in `dtype`, c near each row's max
+    (at most 64 below it), and sums [rows] fp32 its row sums before rounding, so that softmax(x) = p / sums;
+    one read of x. `causal` = (base, period): row r (of the rows flattened) keeps its first base + r % period
+    columns. `valid` (int32 [1] on x's device): every row keeps at most its first valid[0] columns. p is 0
+    past what a row keeps."""
     if x.dtype != torch.float32 or x.stride(-1) != 1:
-        raise ValueError(f"softmax_rows wants fp32 rows with unit stride, got {x.dtype} {x.stride()}")
+        raise ValueError(f"exp_rows wants fp32 rows with unit stride, got {x.dtype} {x.stride()}")
     if valid is not None and (valid.dtype != torch.int32 or valid.numel() != 1 or valid.device != x.device):
-        raise ValueError(
-            f"softmax_rows: valid must be one int32 on {x.device}, got {valid.dtype} {valid.shape}"
-        )
+        raise ValueError(f"exp_rows: valid must be one int32 on {x.device}, got {valid.dtype} {valid.shape}")
     rows = x.reshape(-1, x.shape[-1])
     out = torch.empty(rows.shape, device=x.device, dtype=dtype)
+    sums = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
     base, period = causal or (rows.shape[1], 1)
-    _softmax_rows_kernel[(rows.shape[0],)](
+    _exp_rows_kernel[(rows.shape[0],)](
         rows,
         out,
+        sums,
         rows if valid is None else valid,  # not read without a count
         rows.shape[1],
         rows.stride(0),
         out.stride(0),
         base,
         period,
-        rows if sums is None else sums,  # not written when normalizing
         BLOCK=BLOCK,
         HAS_VALID=valid is not None,
-        NORMALIZE=sums is None,
         num_warps=NUM_WARPS,
     )
-    return out.view(x.shape)
+    return out.view(x.shape), sums
 
 
 @triton.jit
