@@ -181,20 +181,17 @@ def attention_nomask(
     _, h, t, d = q.shape
     hkv = k.shape[1]
     qf = q.reshape(1, hkv, (h // hkv) * t, d)
+    # the fast paths write o_proj's input rows [T, H, d] (as [Hkv, g, T, d]): `ref.rows` of the view they return
+    # is free
+    rows = torch.empty(t, h, d, device=q.device, dtype=q.dtype)
+    heads = rows.view(t, hkv, h // hkv, d).permute(1, 2, 0, 3)
     if d > 256 and q.is_cuda and span is None:
-        scores = _bmm_fp32(qf[0], k[0].transpose(1, 2))  # [Hkv, g*T, S]
-        p, sums = exp_to(scores, v.dtype, valid=valid)
-        # the output lands in o_proj's input rows [T, H, d]: `ref.rows` of the returned view is free
-        rows = torch.empty(t, h, d, device=q.device, dtype=q.dtype)
-        out = rows.view(t, hkv, h // hkv, d).permute(1, 2, 0, 3)
-        divide_rows(_bmm_fp32(p, v[0]), sums, out)
+        _attend_materialized(qf[0], k[0], v[0], heads, valid=valid)
         return rows.transpose(0, 1)[None]
     ta = triton_attn_for(q) if valid is None else None
     if ta is not None:
         try:
-            # the output lands in o_proj's input rows [T, H, d]: `ref.rows` of the returned view is free
-            rows = torch.empty(t, h, d, device=q.device, dtype=q.dtype)
-            ta.attention_splitkv(qf, k, v, out=rows.view(t, hkv, h // hkv, d).permute(1, 2, 0, 3), span=span)
+            ta.attention_splitkv(qf, k, v, out=heads, span=span)
             return rows.transpose(0, 1)[None]
         except Exception as e:  # noqa: BLE001 - any failure: SDPA from then on, loudly
             triton_failed("triton_attn", e)
@@ -240,6 +237,28 @@ def exp_to(
         scores = scores.masked_fill(cols >= valid, float("-inf"))
     p = torch.exp(scores - scores.amax(-1, keepdim=True))
     return p.to(dtype), p.sum(-1)
+
+
+def _attend_materialized(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    causal: tuple[int, int] | None = None,
+    valid: torch.Tensor | None = None,
+) -> None:
+    """out [Hkv, g, T, d] = softmax(q @ k.T) @ v for q [Hkv, g*T, d] and k, v [Hkv, S, d], scale 1, with the fp32
+    scores materialized: two GEMMs around `exp_to` (`causal`, `valid` as there), the division last."""
+    p, sums = exp_to(_bmm_fp32(q, k.transpose(1, 2)), v.dtype, causal, valid)
+    divide_rows(_bmm_fp32(p, v), sums, out)
+
+
+def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, M, K] @ b [B, K, N] in fp32: 16-bit products with fp32 accumulation on CUDA (no rounded
+    output), an fp32 GEMM elsewhere."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
 
 
 def divide_rows(x: torch.Tensor, sums: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -382,23 +401,14 @@ SCORE_BYTES = 2 << 30
 MAX_QUERY_BLOCK = 1024
 
 
-def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [B, M, K] @ b [B, K, N] in fp32: 16-bit products with fp32 accumulation on CUDA (no rounded
-    output), an fp32 GEMM elsewhere."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.bmm(a, b, out_dtype=torch.float32)
-    return torch.bmm(a.float(), b.float())
-
-
 def attention_causal_scores(
     q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, block: int | None = None
 ) -> torch.Tensor:
     """attention_causal_past with the scores materialized, as attention_nomask does for d = 512 (where the
-    memory-efficient SDPA kernel took 2.8 ms per call on an H200 for a 4k chunk): per block of queries, an fp32
-    score GEMM over the past and the chunk's keys up to the block's end, `exp_to` (0 above the diagonal), a
-    P @ V GEMM in fp32 and the division by the row sums into the output rows. GQA is folded into the rows ([Hkv, g*block]), so each KV head is
-    read once per block. q [1, H, T, d], keys/vals [1, Hkv, P + T, d] (the chunk's last); scale 1. Returns rows
-    [T, H * d].
+    memory-efficient SDPA kernel took 2.8 ms per call on an H200 for a 4k chunk): per block of queries,
+    `_attend_materialized` over the past and the chunk's keys up to the block's end, with the causal limit in
+    `exp_to`. GQA is folded into the rows ([Hkv, g*block]), so each KV head is read once per block. q [1, H, T,
+    d], keys/vals [1, Hkv, P + T, d] (the chunk's last); scale 1. Returns rows [T, H * d].
 
     `block` (queries per block) defaults to MAX_QUERY_BLOCK, or fewer to keep a block's scores under
     SCORE_BYTES."""
@@ -413,10 +423,10 @@ def attention_causal_scores(
     for s in range(0, t, block):
         e = min(t, s + block)
         n = e - s
-        scores = _bmm_fp32(q4[:, :, s:e].reshape(hkv, g * n, d), keys[0, :, : p + e].transpose(1, 2))
         # row i of each n (query s+i) sees the past and chunk keys up to its own: the first p + s + i + 1
-        probs, sums = exp_to(scores, vals.dtype, causal=(p + s + 1, n))
-        divide_rows(_bmm_fp32(probs, vals[0, :, : p + e]), sums, out[s:e].permute(1, 2, 0, 3))
+        qb = q4[:, :, s:e].reshape(hkv, g * n, d)
+        kb, vb = keys[0, :, : p + e], vals[0, :, : p + e]
+        _attend_materialized(qb, kb, vb, out[s:e].permute(1, 2, 0, 3), causal=(p + s + 1, n))
     return out.view(t, h * d)
 
 
