@@ -58,7 +58,11 @@ def _check_moe() -> None:
             tm.Tiles(block_n=16, block_k=32, m_slots=2, cols_fast=True),
             tm.Tiles(block_n=16, block_k=16, m_slots=2, cols_fast=True),
         ),
+        # a prefill chunk's tiles: 128 pairs and 128 / 256 weight rows a tile, wider than this test's experts
+        "prefill": tm.CONFIGS["prefill"],
     }
+    assert tm.config_for(32 * e, e) is tm.CONFIGS[tm.DEFAULT_CONFIG]
+    assert tm.config_for(32 * e + 1, e) is tm.CONFIGS["prefill"]
     want = ref.moe_experts(x.double(), weights.double(), ids, gate_up.double(), down.double())
     for name, cfg in configs.items():
         got = tm.moe_experts_triton(x, weights, ids, gate_up, down, cfg)

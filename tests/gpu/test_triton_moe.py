@@ -29,12 +29,14 @@ def _weights(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return gate_up, down
 
 
-def _inputs(seed: int, experts: int = E) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _inputs(
+    seed: int, experts: int = E, n: int = N, skew: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x, router weights and ids as the router makes them: softmax, top-k, renormalised, over the first
-    `experts` experts only."""
+    `experts` experts only; `skew` adds a per-expert popularity bias (trained routers' uneven load)."""
     g = torch.Generator(device=DEV).manual_seed(seed)
-    x = torch.randn(N, H, generator=g, device=DEV, dtype=torch.bfloat16)
-    logits = torch.randn(N, E, generator=g, device=DEV)
+    x = torch.randn(n, H, generator=g, device=DEV, dtype=torch.bfloat16)
+    logits = torch.randn(n, E, generator=g, device=DEV) + skew * torch.randn(E, generator=g, device=DEV)
     logits[:, experts:] = float("-inf")
     w, ids = torch.softmax(logits, dim=-1).topk(K, dim=-1)
     return x, w / w.sum(-1, keepdim=True), ids
@@ -106,6 +108,19 @@ def test_cuda_moe_experts_dispatches_to_triton():
     got = fast.moe_experts(x, w, ids, gate_up, down)
     assert "triton_moe" not in fast.triton_failed_kernels
     assert torch.equal(got, tm.moe_experts_triton(x, w, ids, gate_up, down))
+
+
+@pytest.mark.parametrize("skew", [0.0, 1.5])
+def test_prefill_chunk_runs_triton_on_prefill_tiles(skew):
+    """A 2,048-token prefill chunk (~128 pairs an expert; with skew one expert holds ~1,700): the dispatcher
+    takes the Triton kernels on the "prefill" tiles, within the same bounds of the grouped path as a step's."""
+    gate_up, down = _weights(0)
+    x, w, ids = _inputs(9, n=2048, skew=skew)
+    assert tm.config_for(ids.numel(), E) is tm.CONFIGS["prefill"]
+    got = fast.moe_experts(x, w, ids, gate_up, down)
+    assert "triton_moe" not in fast.triton_failed_kernels
+    assert torch.equal(got, tm.moe_experts_triton(x, w, ids, gate_up, down, tm.CONFIGS["prefill"]))
+    _check(got, x, w, ids, gate_up, down)
 
 
 def test_triton_moe_in_cuda_graph():

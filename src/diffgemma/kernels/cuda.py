@@ -21,10 +21,13 @@ _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
 # -- MoE ---------------------------------------------------------------------------------------------
 
-# The Triton kernels read an expert's weights again for every ~32 of its pairs (block_m * m_slots): right
-# for a denoise step (~16 pairs per expert), wrong for a prefill chunk (hundreds), where the grouped GEMMs
-# win. bench/moe_kernels.py measures the crossover.
-_TRITON_MAX_PAIRS_PER_EXPERT = 32
+# Pairs per expert up to which the Triton kernels serve (`triton_moe.config_for` picks their tiles); above,
+# the grouped GEMMs. On the "prefill" tiles one layer's experts at 8,192 tokens (512 pairs an expert) took
+# 1,829 against 2,029 us (uniform routing) and 1,988 against 2,000 (skewed); at 16,384 3,501 against 3,497
+# and 3,703 against 3,583 (bench/results/session20/). fp32 activations (three bf16 MMAs) only on the denoise
+# tiles, at a short prompt's sizes.
+_TRITON_MAX_PAIRS_PER_EXPERT = 512
+_TRITON_MAX_PAIRS_PER_EXPERT_FP32 = 32
 # (activations, weights): fp32 on bf16 is a short prompt's prefill (seed rule 7), without an fp32 copy of the
 # experts (bench/results/fp32_prefill/).
 _TRITON_MOE_DTYPES = {
@@ -62,8 +65,11 @@ def triton_failed(name: str, e: Exception) -> None:
 
 def triton_moe_for(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor):
     """kernels.triton_moe when its kernels suit this call (CUDA, 16-bit weights and activations in their dtype,
-    or fp32 ones on bf16, few pairs per expert and no earlier failure), else None."""
-    few_pairs = ids.numel() <= _TRITON_MAX_PAIRS_PER_EXPERT * gate_up.shape[0]
+    or fp32 ones on bf16, not more pairs an expert than their limit, no earlier failure), else None."""
+    per_expert = (
+        _TRITON_MAX_PAIRS_PER_EXPERT_FP32 if x.dtype != gate_up.dtype else _TRITON_MAX_PAIRS_PER_EXPERT
+    )
+    few_pairs = ids.numel() <= per_expert * gate_up.shape[0]
     dtypes = (x.dtype, gate_up.dtype)
     if not (x.is_cuda and few_pairs and dtypes in _TRITON_MOE_DTYPES):
         return None
@@ -109,9 +115,9 @@ def triton_attn_for(q: torch.Tensor):
 def moe_experts(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
-    """torch_ref.moe_experts: on CUDA with triton and few pairs per expert (a denoise step's ~16, where the
-    grouped GEMMs read the weights at half the memory bandwidth), the two Triton kernels of `triton_moe`;
-    otherwise `moe_experts_grouped`. Both round the same way; they differ only in fp32 accumulation order.
+    """torch_ref.moe_experts: on CUDA with triton, the two Triton kernels of `triton_moe` for a denoise step
+    (~16 pairs an expert, where the grouped GEMMs read the weights at half the memory bandwidth) and prefill
+    chunks up to _TRITON_MAX_PAIRS_PER_EXPERT; otherwise `moe_experts_grouped`. Both round the same way; they differ only in fp32 accumulation order.
     The weights may be narrower than x (bf16 experts, fp32 activations): the result is computed in x's dtype."""
     tm = triton_moe_for(x, ids, gate_up)
     if tm is not None:

@@ -190,7 +190,7 @@ def moe_layer_ffn(
     tm = cuda.triton_moe_for(x2, perm, gate_up)
     if tm is not None:
         try:
-            cfg = tm.CONFIGS[tm.DEFAULT_CONFIG]
+            cfg = tm.config_for(perm.numel(), gate_up.shape[0])
             act = tm.gate_up_act(x2, gate_up, perm, bounds, top_k, cfg.gate_up)
             y = tm.down_sorted(act, down, bounds, cfg.down)
         except Exception as e:  # noqa: BLE001 - any failure: the grouped GEMMs from then on, loudly

@@ -1,8 +1,10 @@
-"""The MoE expert computation of a denoise step as two Triton kernels, replacing the two grouped GEMMs of
-`cuda.moe_experts_grouped` on CUDA. A denoise step routes only ~N*k/E = 16 (row, expert) pairs to each expert
-while every expert is touched, so the work is a batched GEMV bound by reading the 1.5 GB of expert weights;
-the grouped GEMMs read them at about half the H200's bandwidth. Here each program streams one weight slice
-once and applies it to the whole (small) segment of pairs of its expert.
+"""The MoE expert computation as two Triton kernels, replacing the two grouped GEMMs of
+`cuda.moe_experts_grouped` on CUDA for a denoise step and for prefill chunks of up to 512 pairs an expert. A
+denoise step routes only ~N*k/E = 16 (row, expert) pairs to each expert while every expert is touched, so the
+work is a batched GEMV bound by reading the 1.5 GB of expert weights; the grouped GEMMs read them at about half
+the H200's bandwidth. Here each program streams one weight slice once and applies it to the whole (small)
+segment of pairs of its expert. A prefill chunk takes larger tiles (`config_for`); there the kernels win by
+gathering x and applying gelu*up inside, which the grouped path does in kernels of their own.
 
 Design. The pairs are sorted by expert (stable sort of the flat ids) and the segment bounds found by
 `searchsorted`, sync-free. Kernel 1, grid (E * m_slots, cdiv(I, BLOCK_N)): a program of expert e loops over
@@ -110,6 +112,20 @@ DEFAULT_CONFIG = "m32_s2_tma_swap"
 # one layer of a 200-token prefill took 786 against 1,331 us for m32_s2 (mma.sync, pointer loads), the same
 # outputs bit for bit (bench/results/session18/). Through TMA without it, gate_up took 16.8 ms against 0.79
 # (bench/results/moe_tma/README.md).
+# A prefill chunk routes hundreds of pairs to an expert: large tiles on the plain product, and m_slots 6 so
+# that a popular expert's tiles spread over six programs. Against the grouped chain it replaced (the gather,
+# grouped_mm, the compiled gelu*up, grouped_mm; bench/results/session20/), per layer: 1,024 tokens 480 against
+# 557 us (uniform routing) and 387 against 477 (skewed); 2,048 tokens 647 against 772 and 669 against 787;
+# 4,096 tokens 1,037 against 1,079 and 1,044 against 1,041. Prefill with them in one process: 1k tokens 42.0k
+# against 38.1k tok/s, 2k 53.1k against 47.1k, 8k (chunks of 8,192) 59.4k against 57.4k.
+CONFIGS["prefill"] = MoeConfig(
+    Tiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, m_slots=6, tma=True),
+    Tiles(
+        block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, m_slots=6, tma=True, cols_fast=True
+    ),
+)
+# Pairs per expert up to which DEFAULT_CONFIG serves (a denoise step has ~16); above, "prefill".
+DENOISE_MAX_PAIRS_PER_EXPERT = 32
 
 # The interpreter multiplies bf16 operands of tl.dot as their raw uint16 bits; under it the operands go to
 # the dot as fp32 (exact products, so the interpreter still checks the kernels' indexing and rounding).
@@ -395,6 +411,13 @@ def down_sorted(act: torch.Tensor, down: torch.Tensor, bounds: torch.Tensor, til
     return y
 
 
+def config_for(n_pairs: int, n_exp: int) -> MoeConfig:
+    """The tiles for n_pairs (row, expert) pairs over n_exp experts: DEFAULT_CONFIG for a denoise step's few
+    pairs an expert, "prefill" for more."""
+    few = n_pairs <= DENOISE_MAX_PAIRS_PER_EXPERT * n_exp
+    return CONFIGS[DEFAULT_CONFIG if few else "prefill"]
+
+
 def moe_experts_triton(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -404,8 +427,8 @@ def moe_experts_triton(
     config: MoeConfig | None = None,
 ) -> torch.Tensor:
     """cuda.moe_experts as two Triton kernels. x [N, H]; weights [N, k]; ids [N, k]; gate_up [E, 2I, H];
-    down [E, H, I] -> [N, H] in x's dtype. `config` overrides CONFIGS[DEFAULT_CONFIG] (benchmarks)."""
-    cfg = config or CONFIGS[DEFAULT_CONFIG]
+    down [E, H, I] -> [N, H] in x's dtype. `config` overrides `config_for` (benchmarks)."""
+    cfg = config or config_for(ids.numel(), gate_up.shape[0])
     k = ids.shape[1]
     perm, bounds = sort_pairs(ids, gate_up.shape[0])
     act = gate_up_act(x, gate_up, perm, bounds, k, cfg.gate_up)

@@ -20,8 +20,10 @@ from diffgemma.kernels import torch_ref as ops
 from diffgemma.model.kv_cache import KVCache
 
 # Prefill tokens a pass: on an H200 at the real shape, an 8k prompt in chunks of 4096 ran at 45.8k tok/s, in
-# chunks of 2048 at 35.1k (bench/results/README.md). `diffgemma bench` measures with this too.
-PREFILL_CHUNK = 4096
+# chunks of 2048 at 35.1k (bench/results/README.md); in one process (bench/results/session20/), chunks of 8192
+# against 4096: an 8k prompt 59.4k against 54.3k tok/s, 32k 45.7k against 43.4k, 128k 23.7k against 23.0k
+# (16384: 58.8k, 46.5k and 23.9k, for 0.4 GiB more). `diffgemma bench` measures with this too.
+PREFILL_CHUNK = 8192
 # A prompt of up to PREFILL_GRAPH_MAX tokens into an empty cache is padded to a multiple of PREFILL_GRAPH_BUCKET
 # and, on CUDA, replayed as a CUDA graph: eagerly, its ~950 launches bound it by the host (1,024 tokens on an
 # H200: 57.6 ms wall for 25.8 ms of kernels; at 4,096 the kernels take longer than the host, 69 ms of 75).
