@@ -114,12 +114,14 @@ def bench_configs(names: list[str], scenarios: list[str], args, gate_up, down, x
 
 
 def bench_crossover(gate_up, down, g) -> list[dict]:
-    """Grouped vs Triton (default config) as the rows grow: where cuda.moe_experts should stop dispatching
-    to Triton (its _TRITON_MAX_PAIRS_PER_EXPERT; N=512 is 32 pairs per expert)."""
+    """Grouped vs Triton (the tiles `triton_moe.config_for` picks) as the rows grow: where cuda.moe_experts
+    should stop dispatching to Triton (its _TRITON_MAX_PAIRS_PER_EXPERT; N=8192 is 512 pairs per expert)."""
     nbytes = (gate_up.numel() + down.numel()) * 2
     rows = []
-    print(f"\n[crossover] default config {tm.DEFAULT_CONFIG!r}, uniform routing")
-    for n in (128, 256, 512, 1024, 2048, 4096):
+    print(
+        f"\n[crossover] tiles by config_for (denoise {tm.DEFAULT_CONFIG!r} up to 32 pairs/expert), uniform routing"
+    )
+    for n in (128, 256, 512, 1024, 2048, 4096, 8192, 16384):
         x = torch.randn(n, H, generator=g, device=DEV, dtype=torch.bfloat16)
         w, ids = routing("uniform", None, g, n)
         row = dict(n=n, pairs_per_expert=n * K / E)
