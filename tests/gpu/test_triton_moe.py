@@ -112,7 +112,8 @@ def test_cuda_moe_experts_dispatches_to_triton():
 
 @pytest.mark.parametrize("skew", [0.0, 1.5])
 def test_prefill_chunk_runs_triton_on_prefill_tiles(skew):
-    """A 2,048-token prefill chunk (~128 pairs an expert; with skew one expert holds ~1,700): the dispatcher
+    """A 2,048-token prefill chunk (~128 pairs an expert; with skew, popular experts hold several times that,
+    so their tiles spread over the m_slots programs): the dispatcher
     takes the Triton kernels on the "prefill" tiles, within the same bounds of the grouped path as a step's."""
     gate_up, down = _weights(0)
     x, w, ids = _inputs(9, n=2048, skew=skew)

@@ -117,8 +117,9 @@ def moe_experts(
 ) -> torch.Tensor:
     """torch_ref.moe_experts: on CUDA with triton, the two Triton kernels of `triton_moe` for a denoise step
     (~16 pairs an expert, where the grouped GEMMs read the weights at half the memory bandwidth) and prefill
-    chunks up to _TRITON_MAX_PAIRS_PER_EXPERT; otherwise `moe_experts_grouped`. Both round the same way; they differ only in fp32 accumulation order.
-    The weights may be narrower than x (bf16 experts, fp32 activations): the result is computed in x's dtype."""
+    chunks up to _TRITON_MAX_PAIRS_PER_EXPERT; otherwise `moe_experts_grouped`. Both round the same way; they
+    differ only in fp32 accumulation order. The weights may be narrower than x (bf16 experts, fp32
+    activations): the result is computed in x's dtype."""
     tm = triton_moe_for(x, ids, gate_up)
     if tm is not None:
         try:
