@@ -24,10 +24,8 @@ _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 # Pairs per expert up to which the Triton kernels serve (`triton_moe.config_for` picks their tiles); above,
 # the grouped GEMMs. On the "prefill" tiles one layer's experts at 8,192 tokens (512 pairs an expert) took
 # 1,829 against 2,029 us (uniform routing) and 1,988 against 2,000 (skewed); at 16,384 3,501 against 3,497
-# and 3,703 against 3,583 (bench/results/session20/). fp32 activations (three bf16 MMAs) only on the denoise
-# tiles, at a short prompt's sizes.
+# and 3,703 against 3,583 (bench/results/session20/).
 _TRITON_MAX_PAIRS_PER_EXPERT = 512
-_TRITON_MAX_PAIRS_PER_EXPERT_FP32 = 32
 # (activations, weights): fp32 on bf16 is a short prompt's prefill (seed rule 7), without an fp32 copy of the
 # experts (bench/results/fp32_prefill/).
 _TRITON_MOE_DTYPES = {
@@ -66,14 +64,16 @@ def triton_failed(name: str, e: Exception) -> None:
 def triton_moe_for(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor):
     """kernels.triton_moe when its kernels suit this call (CUDA, 16-bit weights and activations in their dtype,
     or fp32 ones on bf16, not more pairs an expert than their limit, no earlier failure), else None."""
-    per_expert = (
-        _TRITON_MAX_PAIRS_PER_EXPERT_FP32 if x.dtype != gate_up.dtype else _TRITON_MAX_PAIRS_PER_EXPERT
-    )
-    few_pairs = ids.numel() <= per_expert * gate_up.shape[0]
+    n_pairs, n_exp = ids.numel(), gate_up.shape[0]
     dtypes = (x.dtype, gate_up.dtype)
-    if not (x.is_cuda and few_pairs and dtypes in _TRITON_MOE_DTYPES):
+    if not (x.is_cuda and n_pairs <= _TRITON_MAX_PAIRS_PER_EXPERT * n_exp and dtypes in _TRITON_MOE_DTYPES):
         return None
-    return _triton_kernels("triton_moe")
+    tm = _triton_kernels("triton_moe")
+    # fp32 activations (three bf16 MMAs a step) only on the denoise tiles, measured at a short prompt's sizes
+    split3 = x.dtype != gate_up.dtype
+    if tm is not None and split3 and tm.config_for(n_pairs, n_exp) is not tm.CONFIGS[tm.DEFAULT_CONFIG]:
+        return None
+    return tm
 
 
 def triton_route_for(logits: torch.Tensor):
