@@ -1,6 +1,7 @@
 """Where a short prefill's time goes, at the real shape (random weights, transformers' init): for prompts into
 an empty cache (1k first, then 256, 2k, 4k), a 200-token prompt with fp32 activations (seed rule 7, the
-sampler's prefill_f32_max_tokens) and a block's commit (256 tokens with fp32 activations after a 1k prompt),
+sampler's prefill_f32_max_tokens) and a block's commit (256 tokens after a 1k prompt, in the model's dtype as
+generation commits),
 the call's wall time against the time the host took to return and the kernels' time. Then, for the commit,
 cProfile (top functions by own and by cumulative time) and torch.profiler's CPU-side table (aten ops and CUDA
 runtime calls, host syncs included). Run on a GPU from the repository root: `python bench/prefill_host.py`."""
@@ -68,12 +69,12 @@ def main() -> None:
     block = torch.randint(0, vocab, (1, 256))
 
     def commit() -> None:
-        model.prefill(block, kv, compute_dtype=f32)
+        model.prefill(block, kv)
 
     def rewind() -> None:
         kv.length = 1024
 
-    report("commit 256 tokens after 1024, fp32 activations", commit, rewind)
+    report("commit 256 tokens after 1024", commit, rewind)
 
     rewind()
     pr = cProfile.Profile()
