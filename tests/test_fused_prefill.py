@@ -46,11 +46,12 @@ def test_fused_prefill_matches_unfused_and_compiles_once_for_all_lengths(tiny_a)
     plain.fast, plain.fuse = True, False
     fused.fast, fused.fuse = True, True
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, plain.cfg.vocab_size, (1, 35), generator=g)
+    prompt = torch.randint(0, plain.cfg.vocab_size, (1, 43), generator=g)
     canvas = torch.randint(0, plain.cfg.vocab_size, (1, plain.cfg.canvas_length), generator=g)
     kv_plain, kv_fused = plain.new_cache(128, ring_size=24), fused.new_cache(128, ring_size=24)
 
-    # two chunks of different lengths (23, then 12): past keys in the second, the ring wraps (window 8)
+    # two chunks of different lengths (23, then 20): past keys in the second, the ring wraps (window 8); the
+    # second longer than the canvas (16), which a commit's path would take (test_commit_matches_reference)
     plain.prefill(prompt[:, :23], kv_plain)
     fused.prefill(prompt[:, :23], kv_fused)
     assert list(fused._prefill_graphs) == [256]  # into an empty cache: padded to 256 (eager on the CPU)
@@ -66,7 +67,7 @@ def test_fused_prefill_matches_unfused_and_compiles_once_for_all_lengths(tiny_a)
     assert not any(r.failed for r in regions.values()), {n: r.failed for n, r in regions.items()}
     assert {name: len(r._seen) for name, r in regions.items()} == variants
 
-    assert kv_fused.length == kv_plain.length == 35
+    assert kv_fused.length == kv_plain.length == 43
     for got, want in zip(_kv_state(kv_fused), _kv_state(kv_plain), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # the denoise that follows, on the same (unfused) path for both: only the caches differ
@@ -104,6 +105,47 @@ def test_fast_prefill_matches_reference_across_ring_wraps_and_rewinds(tiny_a):
         if kv_ref.can_truncate(kv_ref.length - 3):
             kv_ref.truncate(kv_ref.length - 3)
             kv_fast.truncate(kv_fast.length - 3)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["tiny_a", "tiny_b"])
+def test_commit_matches_reference(name, request):
+    # A block's commit (up to the canvas's length, after a non-empty cache) runs the fused denoise layers over
+    # the canvas slots, causal and padded to the canvas (`DiffusionGemma._commit`; graphed on CUDA, eager here),
+    # against the reference prefill, fp32: the K/V every layer keeps, through ring wraps, rewinds and commits
+    # shorter than the canvas, and the denoise after each.
+    ckpt = request.getfixturevalue(name)
+    ref_m, m = load_model(ckpt, "cpu", torch.float32), load_model(ckpt, "cpu", torch.float32)
+    ref_m.fast, m.fast, m.fuse = False, True, True
+    for model in (ref_m, m):  # equal in the checkpoints: made to differ, so that the encoder's must be used
+        for layer in model.layers:
+            layer.encoder_layer_scalar.data.mul_(1.5)
+    c = m.cfg.canvas_length
+    kv_ref, kv = ref_m.new_cache(256, ring_size=12), m.new_cache(256, ring_size=12)
+    g = torch.Generator().manual_seed(5)
+    canvas = torch.randint(0, m.cfg.vocab_size, (1, c), generator=g)
+    prompt = torch.randint(3, 1000, (1, 9), generator=g)
+    ref_m.prefill(prompt, kv_ref)
+    m.prefill(prompt, kv)  # into an empty cache: the padded prefill, on the prefill regions
+    seen = {n: len(r._seen) for n, r in m.prefill_regions.items()}
+    for t in (c, 3, c, 7, 1, c - 1, c):
+        ids = torch.randint(3, 1000, (1, t), generator=g)
+        ref_m.prefill(ids, kv_ref)
+        m.prefill(ids, kv)
+        assert kv.length == kv_ref.length
+        for got, want in zip(_kv_state(kv), _kv_state(kv_ref), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        m.fast = False  # the same (reference) denoise on both caches
+        torch.testing.assert_close(m.denoise(canvas, kv), ref_m.denoise(canvas, kv_ref), rtol=1e-4, atol=1e-4)
+        m.fast = True
+        if t == 7:
+            kv_ref.truncate(kv_ref.length - 2)
+            kv.truncate(kv.length - 2)
+    # the commits ran on the denoise's fixed-shape regions, not the prefill's
+    assert {n: len(r._seen) for n, r in m.prefill_regions.items()} == seen
+    assert all(r._seen for n, r in m.fused_regions.items() if n not in ("softcap", "route", "gelu_mul")), {
+        n: len(r._seen) for n, r in m.fused_regions.items()
+    }
 
 
 @torch.no_grad()

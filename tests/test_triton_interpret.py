@@ -93,20 +93,24 @@ def _check_softmax() -> None:
     """exp_rows: p / sums is the softmax (and p is 0 past a row's limit) for rows longer than one block and not a
     multiple of it, a wide range of scores, fp32 and bf16 out, causal limits and a device-side count of valid
     columns; divide_rows into o_proj's rows."""
+    from diffgemma.kernels import cuda
     from diffgemma.kernels import triton_softmax as ts
 
-    def check(x, causal=None, n_valid=None, dtype=torch.float32, tol=1e-6):
+    def check(x, causal=None, n_valid=None, dtype=torch.float32, tol=1e-6, tail=None):
         valid = None if n_valid is None else torch.tensor([n_valid], dtype=torch.int32)
         cols = torch.arange(x.shape[-1])
         keep = cols[None, :] < (n_valid or x.shape[-1])
+        if tail is not None:
+            causal = (n_valid - tail + 1, tail)  # what the tail means: the last tail valid columns are causal
         if causal is not None:
             keep = keep & (cols[None, :] < causal[0] + torch.arange(x.shape[-2])[:, None] % causal[1])
         want = torch.softmax(x.double().masked_fill(~keep, float("-inf")), dim=-1)
-        p, sums = ts.exp_rows(x, dtype, causal, valid)
-        assert p.shape == x.shape and p.dtype == dtype and sums.shape == x.shape[:-1]
-        assert bool(torch.isfinite(p).all()) and bool((p.masked_select(~keep.expand_as(p)) == 0).all())
-        got = p.double() / sums.double()[..., None]
-        assert bool(((got - want).abs() <= want * tol + 1e-12).all()), (x.shape, causal, n_valid, dtype)
+        for exp in (ts.exp_rows, cuda.exp_to):  # the kernel, and the torch path on the CPU
+            p, sums = exp(x, dtype, None if tail else causal, valid, tail)
+            assert p.shape == x.shape and p.dtype == dtype and sums.shape == x.shape[:-1]
+            assert bool(torch.isfinite(p).all()) and bool((p.masked_select(~keep.expand_as(p)) == 0).all())
+            got = p.double() / sums.double()[..., None]
+            assert bool(((got - want).abs() <= want * tol + 1e-12).all()), (x.shape, causal, n_valid, dtype)
 
     g = torch.Generator().manual_seed(0)
     for n_cols in (1, 700, ts.BLOCK, 2 * ts.BLOCK + 5):
@@ -132,6 +136,10 @@ def _check_softmax() -> None:
         (40, 20, (15, 4)),
     ):
         check(torch.randn(2, 8, n_cols, generator=g) * 8, causal, n_valid)
+    # a commit's causal tail: rows of 2 heads x 2 groups x 5 queries, the queries the last 5 valid columns;
+    # one across a block boundary
+    for n_cols, n_valid in ((40, 23), (2 * ts.BLOCK + 5, ts.BLOCK + 2)):
+        check(torch.randn(2, 10, n_cols, generator=g) * 8, n_valid=n_valid, tail=5)
     # divide_rows into o_proj's rows: x [H, G*T, n] to [T, H, G, n], here G = 2 and T = 3
     y, sums = torch.randn(2, 6, 40, generator=g), torch.rand(2, 6, generator=g) + 0.5
     rows = torch.empty(3, 2, 2, 40)
@@ -142,6 +150,8 @@ def _check_softmax() -> None:
         ts.exp_rows(torch.zeros(2, 4, dtype=torch.float64), torch.float32)
     with pytest.raises(ValueError, match="one int32"):
         ts.exp_rows(torch.zeros(2, 4), torch.float32, valid=torch.tensor([2]))
+    with pytest.raises(ValueError, match="tail counts back"):
+        ts.exp_rows(torch.zeros(2, 4), torch.float32, tail=2)
     with pytest.raises(ValueError, match="does not hold"):
         ts.divide_rows(y, sums, torch.empty(2, 2, 2, 40))
 

@@ -384,6 +384,71 @@ def test_padded_prefill_graph_matches_eager(tmp_path):
             assert rel(got, exp) < (1e-2 if i == 0 else 0.25), i
 
 
+@pytest.mark.parametrize("hd,hkv", [(256, 8), (512, 2)])
+def test_attention_commit_matches_reference(hd, hkv):
+    """attention_commit at the real shapes: a sliding layer's span (1,023 window keys and the 256 canvas keys,
+    from a ring slot past the start of the buffer) with the window, a full layer's keys 0 .. 3,000 + 256 of a
+    4,096-key bucket with the causal tail; against fp32 attention with the masks built from positions."""
+    t, start = 256, 3000
+    q = torch.randn(1, 16, t, hd, device=DEV, dtype=torch.bfloat16) * hd**-0.25
+    if hd == 256:
+        w = 1024
+        first, n_max = 700, w - 1 + t  # the span's first slot and its key count with the canvas
+        k = torch.randn(1, hkv, 2400, hd, device=DEV, dtype=torch.bfloat16) * hd**-0.25
+        v = torch.randn(1, hkv, 2400, hd, device=DEV, dtype=torch.bfloat16)
+        span = (torch.tensor([first, n_max], device=DEV, dtype=torch.int32), n_max)
+        got = fast.attention_commit(q, k, v, span=span, window=w)
+        keys, vals = k[:, :, first : first + n_max], v[:, :, first : first + n_max]
+        kpos = torch.arange(start - (w - 1), start + t, device=DEV)
+    else:
+        w = None
+        k = torch.randn(1, hkv, 4096, hd, device=DEV, dtype=torch.bfloat16) * hd**-0.25
+        v = torch.randn(1, hkv, 4096, hd, device=DEV, dtype=torch.bfloat16)
+        valid = torch.tensor([start + t], device=DEV, dtype=torch.int32)
+        got = fast.attention_commit(q, k, v, valid=valid)
+        keys, vals = k[:, :, : start + t], v[:, :, : start + t]
+        kpos = torch.arange(start + t, device=DEV)
+    qpos = torch.arange(start, start + t, device=DEV)
+    mask = kpos[None] <= qpos[:, None]
+    if w is not None:
+        mask &= kpos[None] > qpos[:, None] - w
+    want = ref.attention(q.float(), keys.float(), vals.float(), mask)
+    assert rel(got, want) < 1e-2
+
+
+def test_commit_graph_matches_eager_commit_and_encode(tmp_path):
+    """A block's commit after a prompt (`DiffusionGemma._commit`: the fused layers on the canvas slots, causal,
+    padded to the canvas): captured on the first commit of a key bucket, replayed after, the same cache bit for
+    bit as the same path run eagerly; against the unfused chunk path (`_encode`), rounding only in layer 0 and
+    the tiny checkpoint's routing flips deeper, as in test_fused_prefill_matches_unfused. Full layers at the real
+    head_dim 512: the materialized scores with the causal tail in `exp_rows`."""
+    from diffgemma.testing import write_tiny_checkpoint
+    from diffgemma.weights.loader import load_model
+
+    ckpt = write_tiny_checkpoint(tmp_path / "c", seed=3, global_head_dim=512)
+    graphed, eager, plain = (load_model(ckpt, DEV, torch.bfloat16) for _ in range(3))
+    eager.use_graphs, plain.fuse = False, False
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, graphed.cfg.vocab_size, (1, 300), generator=g)
+    caches = [m.new_cache(1024) for m in (graphed, eager, plain)]
+    for m, kv in zip((graphed, eager, plain), caches, strict=True):
+        m.prefill(prompt, kv)
+    c = graphed.cfg.canvas_length
+    for t in (c, 5, c, c - 1):
+        ids = torch.randint(0, graphed.cfg.vocab_size, (1, t), generator=g)
+        for m, kv in zip((graphed, eager, plain), caches, strict=True):
+            m.prefill(ids, kv)
+        kv_g, kv_e, kv_p = caches
+        assert kv_g.length == kv_e.length == kv_p.length
+        for i in range(graphed.cfg.num_layers):
+            for got, exp, unfused in zip(kv_g.read(i)[:2], kv_e.read(i)[:2], kv_p.read(i)[:2], strict=True):
+                assert torch.equal(got, exp), i
+                assert rel(got, unfused) < (1e-2 if i == 0 else 0.25), i
+    assert any(("commit", c) in graphs for graphs in graphed._graphs.values())
+    assert not any(r.failed for r in graphed.fused_regions.values())
+    assert "triton_softmax" not in fast.triton_failed_kernels
+
+
 # -- the router's top-k and sort, the Q/K/V norms and RoPE: one Triton kernel each -----------------------------
 
 

@@ -218,24 +218,69 @@ def attention_nomask(
     return out.reshape(1, h, t, d)
 
 
+def attention_commit(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    span: tuple[torch.Tensor, int] | None = None,
+    valid: torch.Tensor | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of a block's commit on a denoise step's geometry: the T queries are the last T keys (the
+    canvas slots), query i sees the keys up to its own and, with `window`, no more than `window` of them (a
+    sliding layer's). q [1, H, T, d], k/v [1, Hkv, S, d], scale 1; `span` or `valid` as for attention_nomask,
+    always read on the device, so that a CUDA graph and an eager call run the same kernels. Returns o_proj's
+    rows as attention_nomask does. A span (sliding layers) takes SDPA with a mask built on the device; `valid`
+    (full layers) the materialized scores, with the causal limits counted back from valid."""
+    _, h, t, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    qf = q.reshape(1, hkv, g * t, d)
+    rows = torch.empty(t, h, d, device=q.device, dtype=q.dtype)
+    heads = rows.view(t, hkv, g, d).permute(1, 2, 0, 3)
+    if (span is None) == (valid is None):
+        raise ValueError(
+            "attention_commit takes a span (sliding layers) or a count of valid keys (full layers)"
+        )
+    if valid is not None:
+        _attend_materialized(qf[0], k[0], v[0], heads, valid=valid, tail=t)
+        return rows.transpose(0, 1)[None]
+    n_max = span[1]
+    idx = (span[0][0].long() + torch.arange(n_max, device=k.device)).clamp(max=k.shape[2] - 1)
+    k, v = k.index_select(2, idx), v.index_select(2, idx)
+    own = span[0][1] - t + torch.arange(g * t, device=q.device) % t  # each query's own key in the span
+    cols = torch.arange(n_max, device=q.device)
+    keep = cols[None, :] <= own[:, None]
+    if window is not None:
+        keep &= cols[None, :] > own[:, None] - window
+    mask = torch.zeros(g * t, n_max, device=q.device, dtype=q.dtype).masked_fill(~keep, float("-inf"))
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=1.0)
+    heads.copy_(out[0].view(hkv, g, t, d))
+    return rows.transpose(0, 1)[None]
+
+
 def exp_to(
     scores: torch.Tensor,
     dtype: torch.dtype,
     causal: tuple[int, int] | None = None,
     valid: torch.Tensor | None = None,
+    tail: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(p, sums): p = exp(scores - c) in dtype, c near each row's max, and sums its fp32 row sums before
     rounding: softmax(scores) = p / sums (flash kernels' P, the division after P @ V). One Triton pass
     (kernels/triton_softmax.py `exp_rows`) on CUDA where triton works, else torch. `causal` = (base, period): row
     r keeps only its first base + r % period columns (the causal mask of a block of queries); `valid` (int32
-    [1], on the device): no row keeps more than its first valid[0] columns. p is 0 past what a row keeps."""
+    [1], on the device): no row keeps more than its first valid[0] columns; `tail` (with valid): row r keeps its
+    first valid[0] - tail + 1 + r % tail (queries that are the last `tail` keys). p is 0 past what a row keeps."""
     tk = _triton_kernels("triton_softmax") if scores.is_cuda else None
     if tk is not None:
         try:
-            return tk.exp_rows(scores, dtype, causal, valid)
+            return tk.exp_rows(scores, dtype, causal, valid, tail)
         except Exception as e:  # noqa: BLE001 - any failure: torch from then on, loudly
             triton_failed("triton_softmax", e)
     cols = torch.arange(scores.shape[-1], device=scores.device)
+    if tail is not None:
+        causal = (valid + 1 - tail, tail)  # a base on the device: torch's ops take it as it is
     if causal is not None:
         base, period = causal
         r = torch.arange(scores.shape[-2], device=scores.device)[:, None] % period
@@ -253,10 +298,11 @@ def _attend_materialized(
     out: torch.Tensor,
     causal: tuple[int, int] | None = None,
     valid: torch.Tensor | None = None,
+    tail: int | None = None,
 ) -> None:
     """out [Hkv, g, T, d] = softmax(q @ k.T) @ v for q [Hkv, g*T, d] and k, v [Hkv, S, d], scale 1, with the fp32
-    scores materialized: two GEMMs around `exp_to` (`causal`, `valid` as there), the division last."""
-    p, sums = exp_to(_bmm_fp32(q, k.transpose(1, 2)), v.dtype, causal, valid)
+    scores materialized: two GEMMs around `exp_to` (`causal`, `valid`, `tail` as there), the division last."""
+    p, sums = exp_to(_bmm_fp32(q, k.transpose(1, 2)), v.dtype, causal, valid, tail)
     divide_rows(_bmm_fp32(p, v), sums, out)
 
 

@@ -34,8 +34,11 @@ def _exp_rows_kernel(
     period,
     BLOCK: tl.constexpr,
     HAS_VALID: tl.constexpr,
+    TAIL: tl.constexpr,
 ):
     row = tl.program_id(0)
+    if TAIL:  # the causal limits count back from the valid columns (`exp_rows`' tail)
+        base += tl.load(valid_ptr)
     limit = tl.minimum(n_cols, base + row % period)  # columns >= limit count as -inf (int32, as n_cols)
     if HAS_VALID:  # a count of valid columns read on the device (a CUDA graph's, whatever the cache length)
         limit = tl.minimum(limit, tl.load(valid_ptr))
@@ -85,20 +88,25 @@ def exp_rows(
     dtype: torch.dtype,
     causal: tuple[int, int] | None = None,
     valid: torch.Tensor | None = None,
+    tail: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(p, sums) for fp32 x with a contiguous last dimension: p = exp(x - c) in `dtype`, c near each row's max
     (at most 64 below it), and sums [rows] fp32 its row sums before rounding, so that softmax(x) = p / sums;
     one read of x. `causal` = (base, period): row r (of the rows flattened) keeps its first base + r % period
-    columns. `valid` (int32 [1] on x's device): every row keeps at most its first valid[0] columns. p is 0
-    past what a row keeps."""
+    columns. `valid` (int32 [1] on x's device): every row keeps at most its first valid[0] columns. `tail`
+    (with valid, without causal): the last `tail` valid columns are causal to the rows, row r keeping its
+    first valid[0] - tail + 1 + r % tail (a block's commit, whose queries are the last keys). p is 0 past
+    what a row keeps."""
     if x.dtype != torch.float32 or x.stride(-1) != 1:
         raise ValueError(f"exp_rows wants fp32 rows with unit stride, got {x.dtype} {x.stride()}")
     if valid is not None and (valid.dtype != torch.int32 or valid.numel() != 1 or valid.device != x.device):
         raise ValueError(f"exp_rows: valid must be one int32 on {x.device}, got {valid.dtype} {valid.shape}")
+    if tail is not None and (valid is None or causal is not None):
+        raise ValueError("exp_rows: tail counts back from valid, and replaces causal")
     rows = x.reshape(-1, x.shape[-1])
     out = torch.empty(rows.shape, device=x.device, dtype=dtype)
     sums = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
-    base, period = causal or (rows.shape[1], 1)
+    base, period = (1 - tail, tail) if tail is not None else causal or (rows.shape[1], 1)
     _exp_rows_kernel[(rows.shape[0],)](
         rows,
         out,
@@ -111,6 +119,7 @@ def exp_rows(
         period,
         BLOCK=BLOCK,
         HAS_VALID=valid is not None,
+        TAIL=tail is not None,
         num_warps=NUM_WARPS,
     )
     return out.view(x.shape), sums

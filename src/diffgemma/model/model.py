@@ -218,6 +218,9 @@ class DiffusionGemma(nn.Module):
         ):
             self._prefill_padded(ids[0], kv)
             return
+        if kv.length > 0 and 0 < t <= kv.canvas_slots and dtype == self.dtype and self._fused_for(kv, t):
+            self._commit(ids[0], kv)
+            return
         for s in range(0, t, chunk):
             part = ids[:, s : s + chunk]
             self._encode(part[0], kv, dtype)
@@ -294,20 +297,26 @@ class DiffusionGemma(nn.Module):
     def _denoise_graphed(
         self, canvas: torch.Tensor, kv: KVCache, sc_probs: torch.Tensor | None, sc_seed: bool
     ) -> torch.Tensor:
-        """Replay (capturing on first use) the fused denoise graph for this cache, key bucket and mode. It reads
-        the cache length on the device, so it serves every block until the full layers' keys outgrow their bucket;
-        the last GRAPH_BUCKETS buckets' graphs are kept, those of another cache dropped."""
-        c = canvas.shape[0]
+        """Replay (capturing on first use) the fused denoise graph for this cache, key bucket and mode."""
+        mode = (canvas.shape[0], sc_probs is not None, sc_seed)
+        sc = None if sc_probs is None else sc_probs.to(self.embed.dtype)  # the dtype its GEMM reads
+        step = self._graph(kv, mode, lambda ids, p: self._denoise_forward(ids, kv, p, sc_seed), canvas, sc)
+        return step(canvas, sc_probs)
+
+    def _graph(self, kv: KVCache, mode: tuple, fn, ids: torch.Tensor, sc: torch.Tensor | None):
+        """The captured graph of `fn` (a denoise step or a commit over the canvas slots) for this cache, key bucket
+        and mode, captured on first use. The graphs read the cache length on the device, so one serves every
+        block until the full layers' keys outgrow their bucket; the last GRAPH_BUCKETS buckets' graphs are kept,
+        those of another cache dropped."""
         cache = self._graph_key(kv)
         if cache != self._graph_cache:
             self._graphs.clear()
             self._graph_cache = cache
-        bucket = self._full_keys(kv, c)
+        bucket = self._full_keys(kv, ids.shape[0])
         graphs = self._graphs.pop(bucket, {})
         self._graphs[bucket] = graphs  # the most recently used last
         while len(self._graphs) > GRAPH_BUCKETS:
             del self._graphs[next(iter(self._graphs))]
-        mode = (c, sc_probs is not None, sc_seed)
         step = graphs.get(mode)
         if step is None:
             # A shared pool is safe: a step's output is read before the next replay overwrites it (copy=False),
@@ -315,14 +324,9 @@ class DiffusionGemma(nn.Module):
             # whose graphs is alive failed (torch 2.11's allocator asserts, bench/results/session15/): a new one.
             if not any(self._graphs.values()):
                 self._graph_pool = torch.cuda.graph_pool_handle()
-            step = fast_ops.GraphStep(
-                lambda ids, p: self._denoise_forward(ids, kv, p, sc_seed),
-                canvas,
-                None if sc_probs is None else sc_probs.to(self.embed.dtype),  # the dtype its GEMM reads
-                self._graph_pool,
-            )
+            step = fast_ops.GraphStep(fn, ids, sc, self._graph_pool)
             graphs[mode] = step
-        return step(canvas, sc_probs)
+        return step
 
     def sc_input_buffer(self, kv: KVCache, canvas_len: int) -> torch.Tensor | None:
         """The captured denoise graph's SC input for this cache and canvas length, if there is one ([C, V] in the
@@ -612,17 +616,47 @@ class DiffusionGemma(nn.Module):
 
     def _decode_layers(self, h: torch.Tensor, kv: KVCache) -> torch.Tensor:
         c = h.shape[0]
-        if self._fused_for(kv, c):  # each layer's last region also norms the next layer's input
-            positions = self._geometry[0] + torch.arange(c, device=self.device)  # `denoise` loaded it
-            x, rope, keys = None, {}, self._full_keys(kv, c)
-            for layer, nxt in zip(self.layers, [*self.layers[1:], None], strict=True):
-                norm = None if nxt is None else nxt.input_layernorm
-                h, x = self._decode_layer_fused(layer, h, kv, positions, rope, keys, x, norm)
-            return h
+        if self._fused_for(kv, c):
+            return self._fused_layers(h, kv, causal=False)
         positions = torch.arange(kv.length, kv.length + c, device=self.device)
         for layer in self.layers:
             h = self._decode_layer(layer, h, kv, positions)
         return h
+
+    def _fused_layers(self, h: torch.Tensor, kv: KVCache, causal: bool) -> torch.Tensor:
+        """The fused layers over the canvas slots (`_load_geometry` loaded the geometry): a denoise step's, or with
+        `causal` a commit's. Each layer's last region also norms the next layer's input."""
+        c = h.shape[0]
+        positions = self._geometry[0] + torch.arange(c, device=self.device)
+        x, rope, keys = None, {}, self._full_keys(kv, c)
+        for layer, nxt in zip(self.layers, [*self.layers[1:], None], strict=True):
+            norm = None if nxt is None else nxt.input_layernorm
+            h, x = self._decode_layer_fused(layer, h, kv, positions, rope, keys, x, norm, causal)
+        return h
+
+    def _commit(self, ids: torch.Tensor, kv: KVCache) -> None:
+        """ids [t] (t <= the canvas slots) after a non-empty cache (a block's commit, a short turn): `_encode`'s
+        causal pass run as the fused denoise layers run, on the canvas slots, padded with pad tokens to the
+        canvas (causal: no real row sees them), and graphed on CUDA like the denoise step. At the real shape on
+        the H200, 256 tokens after 1,024: 19.1-19.3 ms against 31.9-35.0 for `_encode`, whose ~700 eager launches
+        kept the GPU waiting (16.2 ms of kernels; bench/results/session21/). The canvas slots are the full
+        layers' own positions; a sliding layer's K/V are then written to its ring from there."""
+        c, t, start = kv.canvas_slots, ids.shape[0], kv.length
+        padded = F.pad(ids, (0, c - t), value=self.cfg.pad_token_id or 0)
+        self._load_geometry(kv, c)
+        b = kv.denoise_geometry(c)[3]  # the sliding layers' first canvas slot
+
+        def forward(i: torch.Tensor, _) -> torch.Tensor:
+            return self._fused_layers(self._embed_tokens(i), kv, causal=True)
+
+        if self.use_graphs and self.device.type == "cuda":
+            self._graph(kv, ("commit", c), forward, padded, None)(padded, None)
+        else:
+            forward(padded, None)
+        for layer in self.layers:
+            if layer.sliding:
+                kv.write(layer.idx, start, kv.kv[layer.idx][:, :, b : b + t].clone())
+        kv.length = start + t
 
     def _decode_layer(
         self, layer: Layer, h: torch.Tensor, kv: KVCache, positions: torch.Tensor
@@ -657,6 +691,7 @@ class DiffusionGemma(nn.Module):
         full_keys: int,
         x: torch.Tensor | None = None,
         next_norm: torch.Tensor | None = None,
+        causal: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """_decode_layer's math as compiled regions (kernels/fused.py) around the library GEMMs and the attention
         kernels, with the cache length read on the device (`_load_geometry`), so that one CUDA graph serves
@@ -664,15 +699,23 @@ class DiffusionGemma(nn.Module):
 
         `rope`: the step's cos/sin tables by layer type (`_fused_qkv`); `x`: this layer's normed input when the
         previous layer made it; `next_norm`: the next layer's input_layernorm, applied in this layer's last
-        region. Returns (h, the next layer's normed input)."""
+        region. `causal`: a commit's layer (`_commit`): causal attention and the encoder's layer scalar.
+        Returns (h, the next layer's normed input)."""
         r, geo, c = self.fused_regions, self._geometry, h.shape[0]
         buf = kv.kv[layer.idx]  # [2, Hkv, slots, d]
         # K/V go straight to the cache's canvas slots, and attention reads the cached span with them: no gather
         q, _ = self._fused_qkv(layer, h, x, r, positions, rope, buf, geo[3:4] if layer.sliding else geo[0:1])
         if layer.sliding:  # the window before the canvas and the canvas: slots geo[1] .. geo[1] + geo[2]
-            out = fast_ops.attention_nomask(q, buf[0:1], buf[1:2], span=(geo[1:3], kv.denoise_key_slots(c)))
+            span = (geo[1:3], kv.denoise_key_slots(c))
+            if causal:
+                out = fast_ops.attention_commit(
+                    q, buf[0:1], buf[1:2], span=span, window=self.cfg.sliding_window
+                )
+            else:
+                out = fast_ops.attention_nomask(q, buf[0:1], buf[1:2], span=span)
         else:  # keys 0 .. length + c, of full_keys
-            out = fast_ops.attention_nomask(
-                q, buf[0:1, :, :full_keys], buf[1:2, :, :full_keys], valid=geo[4:5]
-            )
-        return self._fused_ffn_half(layer, h, ops.rows(out), r, layer.layer_scalar, next_norm)
+            k, v = buf[0:1, :, :full_keys], buf[1:2, :, :full_keys]
+            attend = fast_ops.attention_commit if causal else fast_ops.attention_nomask
+            out = attend(q, k, v, valid=geo[4:5])
+        scalar = layer.encoder_layer_scalar if causal else layer.layer_scalar
+        return self._fused_ffn_half(layer, h, ops.rows(out), r, scalar, next_norm)
