@@ -208,9 +208,8 @@ def attention_nomask(
         # outside a graph the keys are sliced exactly (a host read): the same sums as without a span
         first, count = span[0].tolist() if span is not None else (0, int(valid))
         k, v = k[:, :, first : first + count], v[:, :, first : first + count]
-    elif span is not None:  # in a graph: n_max slots from span[0] (clamped to the buffer), the count masked
-        idx = (span[0][0].long() + torch.arange(span[1], device=k.device)).clamp(max=k.shape[2] - 1)
-        k, v, valid = k.index_select(2, idx), v.index_select(2, idx), span[0][1:]
+    elif span is not None:  # in a graph: n_max slots from span[0], the count masked
+        (k, v), valid = _span_slots(k, v, span), span[0][1:]
     if valid is not None and capturing:
         mask = torch.zeros(1, k.shape[2], device=q.device, dtype=q.dtype)  # [queries, keys], broadcast
         mask = mask.masked_fill(torch.arange(k.shape[2], device=q.device) >= valid, float("-inf"))
@@ -232,22 +231,21 @@ def attention_commit(
     always read on the device, so that a CUDA graph and an eager call run the same kernels. Returns o_proj's
     rows as attention_nomask does. A span (sliding layers) takes SDPA with a mask built on the device; `valid`
     (full layers) the materialized scores, with the causal limits counted back from valid."""
+    if (span is None) == (valid is None):
+        raise ValueError(
+            "attention_commit takes a span (sliding layers) or a count of valid keys (full layers)"
+        )
     _, h, t, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
     qf = q.reshape(1, hkv, g * t, d)
     rows = torch.empty(t, h, d, device=q.device, dtype=q.dtype)
     heads = rows.view(t, hkv, g, d).permute(1, 2, 0, 3)
-    if (span is None) == (valid is None):
-        raise ValueError(
-            "attention_commit takes a span (sliding layers) or a count of valid keys (full layers)"
-        )
     if valid is not None:
         _attend_materialized(qf[0], k[0], v[0], heads, valid=valid, tail=t)
         return rows.transpose(0, 1)[None]
     n_max = span[1]
-    idx = (span[0][0].long() + torch.arange(n_max, device=k.device)).clamp(max=k.shape[2] - 1)
-    k, v = k.index_select(2, idx), v.index_select(2, idx)
+    k, v = _span_slots(k, v, span)
     own = span[0][1] - t + torch.arange(g * t, device=q.device) % t  # each query's own key in the span
     cols = torch.arange(n_max, device=q.device)
     keep = cols[None, :] <= own[:, None]
@@ -257,6 +255,15 @@ def attention_commit(
     out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=1.0)
     heads.copy_(out[0].view(hkv, g, t, d))
     return rows.transpose(0, 1)[None]
+
+
+def _span_slots(
+    k: torch.Tensor, v: torch.Tensor, span: tuple[torch.Tensor, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [1, Hkv, n_max, d] of the slots span[0][0] .. + n_max (clamped to the buffer), gathered on the
+    device: the same shapes whatever the span, as a CUDA graph needs."""
+    idx = (span[0][0].long() + torch.arange(span[1], device=k.device)).clamp(max=k.shape[2] - 1)
+    return k.index_select(2, idx), v.index_select(2, idx)
 
 
 def exp_to(
