@@ -299,15 +299,17 @@ class DiffusionGemma(nn.Module):
     ) -> torch.Tensor:
         """Replay (capturing on first use) the fused denoise graph for this cache, key bucket and mode."""
         mode = (canvas.shape[0], sc_probs is not None, sc_seed)
-        sc = None if sc_probs is None else sc_probs.to(self.embed.dtype)  # the dtype its GEMM reads
-        step = self._graph(kv, mode, lambda ids, p: self._denoise_forward(ids, kv, p, sc_seed), canvas, sc)
+        step = self._graph(
+            kv, mode, lambda ids, p: self._denoise_forward(ids, kv, p, sc_seed), canvas, sc_probs
+        )
         return step(canvas, sc_probs)
 
     def _graph(self, kv: KVCache, mode: tuple, fn, ids: torch.Tensor, sc: torch.Tensor | None):
         """The captured graph of `fn` (a denoise step or a commit over the canvas slots) for this cache, key bucket
-        and mode, captured on first use. The graphs read the cache length on the device, so one serves every
-        block until the full layers' keys outgrow their bucket; the last GRAPH_BUCKETS buckets' graphs are kept,
-        those of another cache dropped."""
+        and mode, captured on first use (with `sc`, the SC input, copied in the embedding's dtype, which its GEMM
+        reads). The graphs read the cache length on the device, so one serves every block until the full layers'
+        keys outgrow their bucket; the last GRAPH_BUCKETS buckets' graphs are kept, those of another cache
+        dropped."""
         cache = self._graph_key(kv)
         if cache != self._graph_cache:
             self._graphs.clear()
@@ -324,6 +326,7 @@ class DiffusionGemma(nn.Module):
             # whose graphs is alive failed (torch 2.11's allocator asserts, bench/results/session15/): a new one.
             if not any(self._graphs.values()):
                 self._graph_pool = torch.cuda.graph_pool_handle()
+            sc = None if sc is None else sc.to(self.embed.dtype)
             step = fast_ops.GraphStep(fn, ids, sc, self._graph_pool)
             graphs[mode] = step
         return step
