@@ -196,6 +196,51 @@ def _check_route() -> None:
         check_route_sort(logits, torch.rand(e, generator=g) + 0.5, k)
 
 
+def check_route_sort_from(x: torch.Tensor, proj: torch.Tensor, pes: torch.Tensor, k: int, tol: float) -> None:
+    """`triton_route.route_sort_from` (also run by tests/gpu): its partial products sum (in split order) to
+    x @ proj.T within `tol` of its magnitude, and it routes exactly as `route_sort` on that sum rounded to x's
+    dtype (the same experts and order, the weights to fp32 rounding), which `check_route_sort` checks against
+    the spec."""
+    from diffgemma.kernels import triton_route as tr
+
+    n, e = x.shape[0], proj.shape[0]
+    parts = tr.router_partials(x, proj)
+    assert parts.shape[1] == n and bool((parts[:, :, e:] == 0).all())
+    acc = parts[0, :, :e].clone()
+    for part in parts[1:]:
+        acc += part[:, :e]
+    want = x.double() @ proj.double().T
+    assert float((acc.double() - want).abs().max() / want.abs().max()) < tol
+    logits = acc.to(x.dtype)
+    got, want = tr.route_sort_from(x, proj, pes, k), tr.route_sort(logits, pes, k)
+    # the weights within fp32 rounding: the two kernels' softmax sums may reduce in other orders
+    assert float(((got[0] - want[0]).abs() / want[0]).max()) < 1e-6
+    for a, b in zip(got[1:], want[1:], strict=True):
+        assert torch.equal(a, b)
+    check_route_sort(logits, pes, k)
+
+
+def _check_route_from() -> None:
+    """H not a multiple of the router's column block (one split and several), E below tl.dot's 16 and not a
+    power of two, N not a multiple of the row block. fp16: the interpreter's tl.dot multiplies bf16 operands
+    as their raw bits (tests/gpu runs bf16)."""
+    from diffgemma.kernels import triton_route as tr
+
+    g = torch.Generator().manual_seed(1)
+    for n, h, e, k, dtype in (
+        (40, 300, 6, 3, torch.float16),
+        (70, 1000, 128, 8, torch.float16),
+        (33, 16, 12, 4, torch.float16),
+    ):
+        x = torch.randn(n, h, generator=g).to(dtype)
+        proj = (torch.randn(e, h, generator=g) * h**-0.5).to(dtype)
+        check_route_sort_from(x, proj, torch.rand(e, generator=g) + 0.5, k, 1e-5)
+    with pytest.raises(ValueError, match="16-bit"):
+        tr.router_partials(torch.zeros(4, 16), torch.zeros(2, 16))
+    with pytest.raises(ValueError, match="proj"):
+        tr.router_partials(torch.zeros(4, 16).bfloat16(), torch.zeros(2, 8).bfloat16())
+
+
 def check_norm_rope(dtype: torch.dtype, device: str, t: int, tol: float, min_exact: float = 0.0) -> None:
     """`triton_qkv.norm_rope` against the eager `fused.qkv_post` for both layer kinds (sliding: own V, default
     RoPE; full: V = raw K, proportional RoPE), into a new tensor and into a strided view (the cache's canvas
@@ -350,7 +395,15 @@ def _check_sampler() -> None:
 
 @pytest.mark.parametrize(
     "check",
-    ["_check_moe", "_check_softmax", "_check_route", "_check_qkv", "_check_combine", "_check_sampler"],
+    [
+        "_check_moe",
+        "_check_softmax",
+        "_check_route",
+        "_check_route_from",
+        "_check_qkv",
+        "_check_combine",
+        "_check_sampler",
+    ],
 )
 def test_triton_kernels_under_interpreter(check: str):
     run_under_interpreter("tests.test_triton_interpret", check)

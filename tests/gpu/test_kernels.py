@@ -468,6 +468,25 @@ def test_route_sort_matches_torch(n):
     assert bool((ids.sort(1).values == want.sort(1).values).all())
 
 
+@pytest.mark.parametrize("n", [256, 4096])
+def test_route_sort_from_matches_torch(n):
+    """The router's GEMM as split partial products summed by the top-k pass, at the real shape: the sum
+    within fp32 rounding of x @ proj.T (the tensor cores' accumulation), the routing exactly route_sort's on it, and its bf16 logits within one
+    bf16 rounding of cuBLAS's F.linear."""
+    from diffgemma.kernels import triton_route as tr
+    from tests.test_triton_interpret import check_route_sort_from
+
+    g = torch.Generator(device=DEV).manual_seed(n)
+    x = torch.randn(n, 2816, generator=g, device=DEV).bfloat16()
+    proj = (torch.randn(128, 2816, generator=g, device=DEV) * 2816**-0.5).bfloat16()
+    check_route_sort_from(x, proj, torch.rand(128, generator=g, device=DEV) + 0.5, 8, 1e-4)
+    ours = tr.router_partials(x, proj).sum(0)[:, :128].bfloat16().float()
+    lib = torch.nn.functional.linear(x, proj).float()
+    assert (
+        float(((ours - lib).abs() / lib.abs().clamp_min(1e-2)).max()) < 2**-6
+    )  # within about two bf16 roundings
+
+
 @pytest.mark.parametrize("temp", [0.4, 1.0])
 def test_row_stats_matches_torch(temp):
     """The sampler's row pass at a denoise step's shape: 256 rows of the vocabulary's 262,144 softcapped logits

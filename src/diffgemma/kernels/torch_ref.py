@@ -81,8 +81,12 @@ def route(
 
 def router_logits(x: torch.Tensor, proj: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """The router's logits [N, E] in x's dtype (`route`'s first half)."""
-    h = rms_norm(x, None, eps) * scale * (x.shape[-1] ** -0.5)
-    return F.linear(h, proj)
+    return F.linear(router_input(x, scale, eps), proj)
+
+
+def router_input(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """What the router's projection multiplies: x normed without a weight, times scale and H^-0.5."""
+    return rms_norm(x, None, eps) * scale * (x.shape[-1] ** -0.5)
 
 
 def route_weights(

@@ -161,7 +161,7 @@ def _combine_kernel(
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     # off CUDA (the interpreter): the H200's
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
@@ -242,7 +242,7 @@ def attention_splitkv(
     key_blocks = triton.cdiv(s_keys, block_n)
     row_blocks = triton.cdiv(m_rows, block_m)
     if splits is None:
-        splits = _auto_splits(row_blocks * hkv, key_blocks, _sm_count(q.device))
+        splits = _auto_splits(row_blocks * hkv, key_blocks, sm_count(q.device))
     f32 = {"device": q.device, "dtype": torch.float32}
     pdl_on = pdl.enabled(q.device)
     acc = torch.empty(splits, hkv, m_rows, d, **f32)

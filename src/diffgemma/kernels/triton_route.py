@@ -11,6 +11,11 @@ Pass 2, again a program per block of rows: it sums all blocks' counts (each expe
 cumsum of them: bounds) and the counts of the blocks before its own (its first slot per expert); a pair's slot
 = that + its rank. That is the order of torch.sort(ids.flatten(), stable=True). (A version with one program
 for pass 2 took 71 us a layer at N = 4096, in its loop over the 32,768 pairs.)
+
+`route_sort_from` starts from the router's input instead: a third kernel multiplies it by the router's weight in
+splits of H (fp32 partial products), and pass 1 sums them in split order and rounds the sum as the GEMM's
+output is rounded. In a denoise step (N = 256) that replaced cuBLAS's split-K GEMM and its reduction: the step
+15.568 against 15.639 / 15.644 ms (session 22); at N = 4,096 it was slower (40.4 against 31.7 us).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import triton
 import triton.language as tl
 
 from diffgemma.kernels import pdl
+from diffgemma.kernels.triton_attn import sm_count
 
 NUM_WARPS = 4
 
@@ -41,15 +47,20 @@ def _topk_kernel(
     counts_ptr,
     N,
     stride_ln,
+    stride_split,
     E: tl.constexpr,
     E_P2: tl.constexpr,
     K: tl.constexpr,
     K_P2: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
+    SPLITS: tl.constexpr,
+    LOGIT_DTYPE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Pass 1 for BLOCK_ROWS rows: softmax, top-k, weights; each pair's rank among this block's earlier pairs
-    of its expert, and the block's count per expert."""
+    of its expert, and the block's count per expert. SPLITS > 0: the logits are the sum of SPLITS fp32 partial
+    products (`_router_kernel`'s), added in split order and rounded to LOGIT_DTYPE, as the router's GEMM
+    rounds its output."""
     pdl.start(PDL)
     block = tl.program_id(0)
     rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -57,11 +68,15 @@ def _topk_kernel(
     cols = tl.arange(0, E_P2)
     col_ok = cols < E
     slots = tl.arange(0, K_P2)
-    x = tl.load(
-        logits_ptr + rows[:, None] * stride_ln + cols[None, :],
-        mask=row_ok[:, None] & col_ok[None, :],
-        other=-float("inf"),
-    ).to(tl.float32)
+    ptrs = logits_ptr + rows[:, None] * stride_ln + cols[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
+    if SPLITS > 0:
+        x = tl.load(ptrs, mask=ok, other=0.0)
+        for i in tl.static_range(1, SPLITS):
+            x += tl.load(ptrs + i * stride_split, mask=ok, other=0.0)
+        x = tl.where(col_ok[None, :], x.to(LOGIT_DTYPE).to(tl.float32), -float("inf"))
+    else:
+        x = tl.load(ptrs, mask=ok, other=-float("inf")).to(tl.float32)
     x = tl.where(row_ok[:, None], x, 0.0)  # a padding row: finite, never stored
     e = tl.exp(x - tl.max(x, axis=1)[:, None])
     p = e / tl.sum(e, axis=1)[:, None]
@@ -156,10 +171,113 @@ def route_sort(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """From router logits [N, E]: (weights [N, k] fp32, ids [N, k] int32, bounds int32 [E + 1], perm [N*k],
     slot [N*k]), as `torch_ref.route_weights` and `fused.route` give them."""
-    n, n_exp = logits.shape
-    if logits.stride(1) != 1:
-        raise ValueError("route_sort: the logits' rows must be contiguous")
-    dev = logits.device
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"route_sort: want logits [N, E] with contiguous rows, got {tuple(logits.shape)}")
+    return _sort(logits, logits.shape[1], 0, tl.float32, per_expert_scale, top_k)
+
+
+def route_sort_from(
+    x: torch.Tensor, proj: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`route_sort` of the router's logits F.linear(x, proj) (x [N, H] the router's input, proj [E, H], both
+    16-bit), with the GEMM split over H (`router_partials`) and its partial products summed by the top-k pass:
+    one kernel in place of cuBLAS's split-K GEMM and its reduction."""
+    partials = router_partials(x, proj)
+    dtype = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
+    return _sort(partials, proj.shape[0], partials.shape[0], dtype, per_expert_scale, top_k)
+
+
+def router_partials(x: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
+    """x [N, H] @ proj [E, H].T as [splits, N, E_P2] fp32 partial products over consecutive ranges of H (columns
+    E.. of zeros): `splits` fill about two waves of programs on the device (at most one per 256 columns)."""
+    n, h = x.shape
+    if x.dtype not in (torch.bfloat16, torch.float16) or proj.dtype != x.dtype:
+        raise ValueError(f"router_partials: want 16-bit x and proj of one dtype, got {x.dtype}, {proj.dtype}")
+    if proj.dim() != 2 or proj.shape[1] != h or x.stride(1) != 1 or proj.stride(1) != 1:
+        raise ValueError(
+            f"router_partials: want x [N, H], proj [E, H] with unit column strides, got {x.shape}, {proj.shape}"
+        )
+    e_p2 = max(16, triton.next_power_of_2(proj.shape[0]))  # tl.dot's smallest N
+    block_m = 32 if n <= 1024 else 64
+    block_k = min(ROUTER_BLOCK_K, max(16, triton.next_power_of_2(h)))
+    row_blocks, k_blocks = triton.cdiv(n, block_m), triton.cdiv(h, block_k)
+    want = min(k_blocks, ROUTER_MAX_SPLITS, triton.cdiv(2 * sm_count(x.device), row_blocks))
+    per_split = triton.cdiv(k_blocks, max(1, want))
+    splits = triton.cdiv(k_blocks, per_split)
+    out = torch.empty(splits, n, e_p2, device=x.device, dtype=torch.float32)
+    pdl_on = pdl.enabled(x.device)
+    _router_kernel[(row_blocks, splits)](
+        x,
+        proj,
+        out,
+        n,
+        h,
+        x.stride(0),
+        proj.stride(0),
+        E=proj.shape[0],
+        E_P2=e_p2,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        K_BLOCKS=per_split,
+        num_warps=NUM_WARPS,
+        PDL=pdl_on,
+        launch_pdl=pdl_on,
+    )
+    return out
+
+
+# Columns of H a router program multiplies at a time, and the most splits the top-k pass sums: at the real shape
+# (H = 2,816) a denoise step's 256 rows are 8 row blocks x 11 splits of one block each.
+ROUTER_BLOCK_K = 256
+ROUTER_MAX_SPLITS = 11
+
+
+@triton.jit
+def _router_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    N,
+    H,
+    stride_x,
+    stride_w,
+    E: tl.constexpr,
+    E_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_BLOCKS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One split's partial router logits for BLOCK_M rows: x[rows, ks] @ w[:, ks].T over its K_BLOCKS blocks of
+    BLOCK_K columns, fp32, stored to out[split, rows, :E_P2]."""
+    pdl.start(PDL)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(1)
+    es = tl.arange(0, E_P2)
+    row_ok = rows < N
+    acc = tl.zeros((BLOCK_M, E_P2), tl.float32)
+    for i in tl.static_range(K_BLOCKS):
+        ks = (split * K_BLOCKS + i) * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_x + ks[None, :],
+            mask=row_ok[:, None] & (ks < H)[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + es[:, None] * stride_w + ks[None, :],
+            mask=(es < E)[:, None] & (ks < H)[None, :],
+            other=0.0,
+        )
+        acc += tl.dot(x, tl.trans(w))
+    tl.store(out_ptr + (split * N + rows)[:, None] * E_P2 + es[None, :], acc, mask=row_ok[:, None])
+
+
+def _sort(
+    src: torch.Tensor, n_exp: int, splits: int, logit_dtype, per_expert_scale: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The two passes on logits src [N, >= E] (splits 0) or on partials [splits, N, >= E] (their sum)."""
+    n = src.shape[-2]
+    dev = src.device
     e_p2 = triton.next_power_of_2(n_exp)
     rows = block_rows(n)
     n_blocks = triton.cdiv(n, rows)
@@ -173,17 +291,20 @@ def route_sort(
     pdl_on = pdl.enabled(dev)
     consts = dict(E=n_exp, E_P2=e_p2, num_warps=NUM_WARPS, PDL=pdl_on, launch_pdl=pdl_on)
     _topk_kernel[(n_blocks,)](
-        logits,
+        src,
         per_expert_scale,
         weights,
         ids,
         rank,
         counts,
         n,
-        logits.stride(0),
+        src.stride(-2),
+        src.stride(0) if splits else 0,
         K=top_k,
         K_P2=triton.next_power_of_2(top_k),
         BLOCK_ROWS=rows,
+        SPLITS=splits,
+        LOGIT_DTYPE=logit_dtype,
         **consts,
     )
     _slot_kernel[(n_blocks,)](
