@@ -15,7 +15,8 @@ for pass 2 took 71 us a layer at N = 4096, in its loop over the 32,768 pairs.)
 `route_sort_from` starts from the router's input instead: a third kernel multiplies it by the router's weight in
 splits of H (fp32 partial products), and pass 1 sums them in split order and rounds the sum as the GEMM's
 output is rounded. In a denoise step (N = 256) that replaced cuBLAS's split-K GEMM and its reduction: the step
-15.568 against 15.639 / 15.644 ms (session 22); at N = 4,096 it was slower (40.4 against 31.7 us).
+15.568 against 15.639 / 15.644 ms (session 22); at N = 4,096 it was slower (40.4 against 31.7 us), so
+`fused._route` takes it up to 256 rows only.
 """
 
 from __future__ import annotations
