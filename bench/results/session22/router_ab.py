@@ -1,5 +1,6 @@
 """Session 22: the router's GEMM as split partial products summed by the top-k kernel
-(`triton_route.route_sort_from`; sN: at most N splits, `ROUTER_MAX_SPLITS`) against cuBLAS's split-K GEMM and
+(`triton_route.route_sort_from`; sN: at most N splits, `ROUTER_MAX_SPLITS`; kBsN: of B columns,
+`ROUTER_BLOCK_K`) against cuBLAS's split-K GEMM and
 `route_sort` on its logits (old).
 
 One process, the real shape (random weights, init hf): denoise graphs captured with each, replayed
@@ -48,9 +49,11 @@ def graph_us(fn, calls=20):
 
 
 def use(name: str) -> None:
+    """old; sN (at most N splits of 256 columns); kBsN (of B columns)."""
     fused._route = old_route if name == "old" else new_route
     if name != "old":
-        tr.ROUTER_MAX_SPLITS = int(name[1:])
+        block, splits = name[1:].split("s") if name.startswith("k") else (256, name[1:])
+        tr.ROUTER_BLOCK_K, tr.ROUTER_MAX_SPLITS = int(block), int(splits)
 
 
 def routing_alone(n: int, name: str) -> str:
