@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -271,8 +272,12 @@ def chat(
         conv = Conversation(engine, ctx)
         messages: list[dict[str, Any]] = []
         tty = sys.stdin.isatty()
+        warm = None
         if tty:
             _stderr(CHAT_HELP)
+            if engine.model.is_fused:  # compile while the first message is typed (piped input would not wait)
+                warm = threading.Thread(target=_warm_up, args=(engine,), name="diffgemma-warm-up")
+                warm.start()
         while True:
             line = _read_line(tty)
             if line is None:
@@ -303,6 +308,9 @@ def chat(
                     f"error: conversation is {len(ids)} tokens, longer than --ctx {ctx}; /reset to start over"
                 )
                 continue
+            if warm is not None:
+                warm.join()
+                warm = None
             out, wall = stream_reply(
                 engine, conv.generate, ids, json_out, max_new_tokens=max_tokens, seed=seed
             )
@@ -312,6 +320,13 @@ def chat(
             if json_out:
                 print(json.dumps(result_json(out, wall, turn=len(messages) // 2)), flush=True)
             _stderr(summary(out, wall))
+
+
+def _warm_up(engine) -> None:
+    try:
+        engine.warm_up()
+    except Exception as e:  # noqa: BLE001 - the first reply then compiles what it needs itself
+        _stderr(f"warm-up failed ({type(e).__name__}: {e}); the first reply compiles instead")
 
 
 def _read_line(tty: bool) -> str | None:

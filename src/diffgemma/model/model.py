@@ -331,6 +331,12 @@ class DiffusionGemma(nn.Module):
             graphs[mode] = step
         return step
 
+    def release_graphs(self) -> None:
+        """Drop the denoise and commit graphs (each tied to the cache it was captured on) and their memory pool."""
+        self._graphs.clear()
+        self._graph_cache = None
+        self._graph_pool = None
+
     def sc_input_buffer(self, kv: KVCache, canvas_len: int) -> torch.Tensor | None:
         """The captured denoise graph's SC input for this cache and canvas length, if there is one ([C, V] in the
         model's dtype): SC probabilities written there are not copied in again by the next `denoise`."""

@@ -67,6 +67,9 @@ def serve(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = load(model_path, device=device, dtype=dtype, max_tokens=ctx)
+    if engine.model.is_fused:
+        log.info("warming up: compiling kernels and capturing CUDA graphs before the first request")
+        log.info("warm-up done in %.1f s", engine.warm_up())
     ctx, conversations = plan_memory(engine, ctx, max_conversations)
     engine.max_tokens = ctx
     app = create_app(

@@ -1,0 +1,46 @@
+"""`Engine.warm_up` on the device, where the fused path also captures CUDA graphs (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def test_warm_up_captures_then_drops_its_graphs_and_changes_no_reply(tmp_path, monkeypatch):
+    """Two engines on one tiny bf16 checkpoint, one warmed up: the warm-up captures graphs (denoise steps, a
+    commit) on caches of its own and keeps none; both then give the same replies to a prompt under the fp32
+    rule and to a follow-up turn past it on the same cache."""
+    from diffgemma.config import SamplerConfig
+    from diffgemma.engine.engine import Engine
+    from diffgemma.kernels import cuda as fast_ops
+    from diffgemma.testing import write_tiny_checkpoint
+    from diffgemma.weights.loader import load_model
+
+    captures = []
+    real_step = fast_ops.GraphStep
+
+    def graph_step(*args, **kwargs):
+        captures.append(1)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(fast_ops, "GraphStep", graph_step)
+    ckpt = write_tiny_checkpoint(tmp_path / "c", seed=3)
+    sampler = SamplerConfig(max_denoising_steps=4)  # prompts up to 256 tokens prefill in fp32
+    warm, cold = (Engine(load_model(ckpt, "cuda", torch.bfloat16), sampler) for _ in range(2))
+    assert warm.model.is_fused
+    assert warm.warm_up() > 0
+    assert len(captures) >= 3, captures  # the first step's graph (SC seed), the later steps', a commit's
+    assert not warm.model._graphs and warm.model._graph_cache is None and warm.model._graph_pool is None
+
+    prompt, follow = list(range(3, 43)), list(range(50, 350))
+    replies = []
+    for eng in (warm, cold):
+        kv = eng.new_cache(1024)
+        first = eng.generate(prompt, max_new_tokens=40, seed=5, kv=kv).token_ids
+        replies.append((first, eng.generate(follow, max_new_tokens=40, seed=6, kv=kv).token_ids))
+    assert replies[0] == replies[1]

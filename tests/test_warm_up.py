@@ -1,0 +1,123 @@
+"""`Engine.warm_up`: the fused path compiled before the first request (by `serve`, and by `chat` while the first
+message is typed), with every later request's shapes covered and no reply changed. The fused regions compile
+for the CPU here, as in test_fused_prefill.py; on CUDA the same code also captures graphs (tests/gpu)."""
+
+from __future__ import annotations
+
+import torch
+
+import diffgemma
+from diffgemma import cli
+from diffgemma.session import Conversation
+
+# The regions a reply runs on the CPU's fused path: the prefill's set, and the denoise's (route and gelu_mul are
+# the fallbacks of Triton kernels that the CPU runs as torch ops outside the regions).
+DENOISE_REGIONS = ("norm", "qkv_post", "pre_ffn", "dense_mlp", "post_ffn", "softcap")
+
+
+def _fused(path):
+    eng = diffgemma.load(path, device="cpu", dtype="float32", max_denoising_steps=3)
+    eng.model.fast, eng.model.fuse = True, True
+    return eng
+
+
+def _variants(model) -> dict[str, int]:
+    regions = {f"prefill.{n}": r for n, r in model.prefill_regions.items()}
+    regions.update({f"denoise.{n}": r for n, r in model.fused_regions.items()})
+    return {name: len(r._seen) for name, r in regions.items()}
+
+
+@torch.no_grad()
+def test_warm_up_compiles_what_a_reply_needs_and_changes_no_reply(tiny_a):
+    warm, cold = _fused(tiny_a), _fused(tiny_a)
+    assert warm.warm_up() > 0
+    seen = _variants(warm.model)
+    assert all(seen[f"prefill.{n}"] for n in ("norm", "qkv_post", "pre_ffn", "dense_mlp", "post_ffn")), seen
+    assert all(seen[f"denoise.{n}"] for n in DENOISE_REGIONS), seen
+    assert not warm.model._graphs and warm.model._graph_cache is None
+    assert warm._kv is None  # its caches were its own, not the engine's
+
+    # Requests of other lengths (a prompt, then a follow-up turn on the same cache) compile nothing more: a
+    # recompile raises, which `Fused` would turn into `failed`.
+    prompt = list(range(5, 42))
+    kv_warm, kv_cold = warm.new_cache(512), cold.new_cache(512)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        a = warm.generate(prompt, max_new_tokens=20, seed=3, kv=kv_warm)
+        a2 = warm.generate(list(range(60, 70)), max_new_tokens=12, seed=4, kv=kv_warm)
+    assert _variants(warm.model) == seen
+    assert not any(
+        r.failed for r in [*warm.model.prefill_regions.values(), *warm.model.fused_regions.values()]
+    )
+    b = cold.generate(prompt, max_new_tokens=20, seed=3, kv=kv_cold)
+    b2 = cold.generate(list(range(60, 70)), max_new_tokens=12, seed=4, kv=kv_cold)
+    assert (a.token_ids, a2.token_ids) == (b.token_ids, b2.token_ids)
+
+
+def test_warm_up_is_a_no_op_off_the_fused_path(tiny_a):
+    eng = diffgemma.load(tiny_a, device="cpu", dtype="float32")
+    assert not eng.model.is_fused
+    assert eng.warm_up() == 0.0
+    assert not any(_variants(eng.model).values())
+
+
+def test_chat_warms_up_while_the_first_message_is_typed(tiny_a, monkeypatch):
+    eng = _fused(tiny_a)
+    events: list[str] = []
+    real_warm_up, real_generate = eng.warm_up, Conversation.generate
+
+    def warm_up():
+        events.append("warm-up")
+        seconds = real_warm_up()
+        events.append("warm")
+        return seconds
+
+    def generate(self, ids, **kwargs):
+        events.append("reply")
+        return real_generate(self, ids, **kwargs)
+
+    lines = iter(["hello", "/quit"])
+    monkeypatch.setattr(eng, "warm_up", warm_up)
+    monkeypatch.setattr(Conversation, "generate", generate)
+    monkeypatch.setattr(cli, "load_engine", lambda *a: eng)
+    monkeypatch.setattr(cli.sys.stdin, "isatty", lambda: True)
+    monkeypatch.setattr(cli, "_read_line", lambda tty: next(lines))
+    cli.chat(json_out=True, model=None, seed=1, ctx=2048, max_tokens=8, think=False, device=None, dtype=None)
+    assert events == ["warm-up", "warm", "reply"]
+
+    # piped input: the first message is there at once, nothing to overlap, no warm-up
+    events.clear()
+    lines = iter(["hello", "/quit"])
+    monkeypatch.setattr(cli.sys.stdin, "isatty", lambda: False)
+    cli.chat(json_out=True, model=None, seed=1, ctx=2048, max_tokens=8, think=False, device=None, dtype=None)
+    assert events == ["reply"]
+
+
+def test_chat_reports_a_failed_warm_up_and_replies_anyway(tiny_a, monkeypatch, capsys):
+    eng = _fused(tiny_a)
+
+    def broken():
+        raise RuntimeError("no compiler")
+
+    lines = iter(["hello", "/quit"])
+    monkeypatch.setattr(eng, "warm_up", broken)
+    monkeypatch.setattr(cli, "load_engine", lambda *a: eng)
+    monkeypatch.setattr(cli.sys.stdin, "isatty", lambda: True)
+    monkeypatch.setattr(cli, "_read_line", lambda tty: next(lines))
+    cli.chat(json_out=True, model=None, seed=1, ctx=2048, max_tokens=8, think=False, device=None, dtype=None)
+    out, err = capsys.readouterr()
+    assert "warm-up failed (RuntimeError: no compiler); the first reply compiles instead" in err
+    assert '"turn": 1' in out
+
+
+def test_serve_warms_up_before_it_listens(tiny_a, monkeypatch):
+    import uvicorn
+
+    from diffgemma.server import run
+
+    eng = _fused(tiny_a)
+    events: list[str] = []
+    monkeypatch.setattr(eng, "warm_up", lambda: events.append("warm-up") or 1.0)
+    monkeypatch.setattr(run, "load", lambda *a, **k: eng)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **k: events.append(f"listen {k['host']}:{k['port']}"))
+    run.serve(tiny_a, port=8123, ctx=2048)
+    assert events == ["warm-up", "listen 127.0.0.1:8123"]
