@@ -34,7 +34,7 @@ def test_warm_up_compiles_what_a_reply_needs_and_changes_no_reply(tiny_a):
     seen = _variants(warm.model)
     assert all(seen[f"prefill.{n}"] for n in ("norm", "qkv_post", "pre_ffn", "dense_mlp", "post_ffn")), seen
     assert all(seen[f"denoise.{n}"] for n in DENOISE_REGIONS), seen
-    assert not warm.model._graphs and warm.model._graph_cache is None
+    assert not warm.model._graphs and not warm.model._graph_io
     assert warm._kv is None  # its caches were its own, not the engine's
 
     # Requests of other lengths (a prompt, then a follow-up turn on the same cache) compile nothing more: a

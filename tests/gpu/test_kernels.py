@@ -179,6 +179,42 @@ def test_denoise_graphs_of_recent_key_buckets_are_kept(tmp_path, monkeypatch):
     assert [captures_at(long), captures_at(short), captures_at(long)] == [0, 1, 1]
 
 
+def test_denoise_graphs_are_kept_per_cache(tmp_path, monkeypatch):
+    """Two caches (a server's two conversations) denoised in turn: each captures its graph once and then
+    replays it, every replay equal to the step run eagerly on that cache, and all of them write one logits
+    buffer. A cache whose graphs' key another cache takes (a freed cache's id and memory reused) captures its own
+    instead of replaying the other's."""
+    from diffgemma.kernels import cuda as fast_ops
+    from diffgemma.model.model import DiffusionGemma
+
+    captures = []
+    real_step = fast_ops.GraphStep
+
+    def graph_step(*args, **kwargs):
+        captures.append(1)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(fast_ops, "GraphStep", graph_step)
+    m, canvas, kv = _tiny_bf16_model_with_prompt(tmp_path)
+    m.fast, m.fuse, m.use_graphs = True, True, False
+    kv2 = m.new_cache(128)
+    m.prefill(torch.randint(0, m.cfg.vocab_size, (1, 25), generator=torch.Generator().manual_seed(2)), kv2)
+    want = [m.denoise(canvas, kv), m.denoise(canvas, kv2)]
+    assert rel(want[0], want[1]) > 1e-2  # the two caches give different steps
+    m.use_graphs = True
+    outs = set()
+    for _ in range(3):
+        for cache, expected in zip((kv, kv2), want, strict=True):
+            got = m.denoise(canvas, cache, copy=False)
+            assert rel(got, expected) < 1e-3
+            outs.add(got.data_ptr())
+    assert len(captures) == 2 and len(outs) == 1
+    monkeypatch.setattr(DiffusionGemma, "_graph_key", staticmethod(lambda cache: "one key"))
+    for cache, expected in zip((kv, kv2, kv), want + want[:1], strict=True):
+        assert rel(m.denoise(canvas, cache), expected) < 1e-3
+    assert len(captures) == 5
+
+
 def test_generate_writes_sc_into_the_graph_buffer(tmp_path, monkeypatch):
     """The sampler writes the next SC input straight into the captured graph's input buffer and reads the
     graph's logits without a copy: the same ids as the copying path, over two blocks (one graph serves both)."""
@@ -270,8 +306,9 @@ def test_fused_regions_match_eager():
     w = 1 + 0.3 * torch.randn(2816, device=DEV, dtype=torch.bfloat16)
     assert rel(comp["norm"](x, w, 1e-6), eager["norm"](x, w, 1e-6)) < 1e-2
     logits = torch.randn(c, 262144, device=DEV, dtype=torch.bfloat16) * 40
-    got, want = comp["softcap"](logits, 30.0), eager["softcap"](logits, 30.0)
-    assert got.dtype == want.dtype == torch.float32
+    got, want = (torch.empty(logits.shape, device=DEV, dtype=torch.float32) for _ in range(2))
+    comp["softcap"](logits, 30.0, got)
+    eager["softcap"](logits, 30.0, want)
     assert (got - want).abs().max().item() < 1e-4 and (got.argmax(-1) == want.argmax(-1)).all()
     # the whole FFN half (pre_ffn + grouped GEMMs + gelu_mul + post_ffn) against the unfused fast path
     p = _real_layer_params()
@@ -444,7 +481,7 @@ def test_commit_graph_matches_eager_commit_and_encode(tmp_path):
             for got, exp, unfused in zip(kv_g.read(i)[:2], kv_e.read(i)[:2], kv_p.read(i)[:2], strict=True):
                 assert torch.equal(got, exp), i
                 assert rel(got, unfused) < (1e-2 if i == 0 else 0.25), i
-    assert any(("commit", c) in graphs for graphs in graphed._graphs.values())
+    assert any(("commit", c) in graphs for _, graphs in graphed._graphs.values())
     assert not any(r.failed for r in graphed.fused_regions.values())
     assert "triton_softmax" not in fast.triton_failed_kernels
 

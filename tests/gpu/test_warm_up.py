@@ -35,7 +35,7 @@ def test_warm_up_captures_then_drops_its_graphs_and_changes_no_reply(tmp_path, m
     assert warm.model.is_fused
     assert warm.warm_up() > 0
     assert len(captures) >= 3, captures  # the first step's graph (SC seed), the later steps', a commit's
-    assert not warm.model._graphs and warm.model._graph_cache is None and warm.model._graph_pool is None
+    assert not warm.model._graphs and warm.model._graph_pool is None and not warm.model._graph_io
 
     prompt, follow = list(range(3, 43)), list(range(50, 350))
     replies = []

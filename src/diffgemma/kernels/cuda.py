@@ -497,11 +497,12 @@ class GraphStep:
     """One captured forward over static token ids (and SC input): a denoise step for a fixed (cache, cache
     length, canvas length, SC mode), or a padded prefill into a staging cache for a fixed token count.
 
-    Inputs are copied into static buffers; the output is the graph's static output (callers clone)."""
+    The ids are copied into a static buffer; `sc` is the SC input buffer itself (the caller's, which several
+    graphs may share). The output is the graph's static output (callers clone)."""
 
     def __init__(self, fn, ids: torch.Tensor, sc: torch.Tensor | None, pool, warm_up: bool = True):
         self.ids = ids.clone()
-        self.sc = None if sc is None else sc.clone()
+        self.sc = sc
         self.fn = fn
         if warm_up:  # outside capture: compiles, cuBLAS handles, SDPA workspaces
             stream = _warm_up_stream(torch.cuda.current_device())

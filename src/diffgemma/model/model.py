@@ -8,6 +8,7 @@ denoise(canvas, kv, …)  bidirectional decoder pass over a canvas that also att
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -36,13 +37,16 @@ PREFILL_GRAPH_BUCKET = 256
 # (bench/results/generate_overhead/), 1,000 keys of the full layers' attention ~0.1 ms a step, so 1,024 saves
 # ~26 ms a block of 48 steps for ~3 ms; 4,096 would save ~33 ms for ~11.
 FULL_KEY_BUCKET = 1024
-# Key buckets whose denoise graphs a cache keeps, least recently used dropped first: one-shot requests of
-# different lengths on the engine's cache, or a conversation rewound below a bucket, replay instead of capturing
-# again (two captures a bucket, ~0.14 s on the H200: bench/results/generate_overhead/session14_chat.json). A short
-# chat turn's blocks alternate between two buckets: 3.39 s a turn kept against 3.72 recaptured
-# (bench/results/session15/call1_s15.txt). The cost at the real shape: a bucket's two graphs keep their fp32
-# logits (256 x 262,144 each) and one bf16 SC input, 0.62-0.64 GiB a bucket measured (bench/results/session16/).
-GRAPH_BUCKETS = 4
+# (cache, key bucket) pairs whose denoise and commit graphs are kept, least recently used dropped first: one-shot
+# requests of different lengths on the engine's cache, a conversation rewound below a bucket, or a server's
+# requests alternating between conversations' caches replay instead of capturing again (two captures a bucket,
+# ~0.14 s on the H200: bench/results/generate_overhead/session14_chat.json; a 1k request's block took 0.99 s
+# alternating between two caches against 0.82 on one, when only one cache's graphs were kept:
+# bench/results/session23/). A short chat turn's blocks alternate between two buckets: 3.39 s a turn kept against
+# 3.72 recaptured (bench/results/session15/call1_s15.txt). Every graph writes its logits to, and reads its SC input
+# from, one buffer per canvas length (`_graph_io`): when each kept its own, those took 0.62-0.64 GiB a bucket at
+# the real shape (bench/results/session16/); their shared intermediates are in one memory pool.
+GRAPH_BUCKETS = 16
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -158,10 +162,13 @@ class DiffusionGemma(nn.Module):
         self.fused_regions = fused_ops.make_regions()
         # The same regions for the prefill (also on when is_fused): compiled with a symbolic token count.
         self.prefill_regions = fused_ops.make_regions(dynamic=True)
-        # The denoise graphs: key bucket -> mode -> graph, the least recently used bucket first
-        self._graphs: dict[int, dict[tuple, fast_ops.GraphStep]] = {}
-        self._graph_cache: tuple | None = None  # the cache they were captured on
+        # The denoise and commit graphs: (cache, key bucket) -> (the cache, weakly) and its graphs by mode, the
+        # least recently used first
+        self._graphs: dict[tuple, tuple[weakref.ref, dict[tuple, fast_ops.GraphStep]]] = {}
         self._graph_pool = None  # one memory pool for them: they replay one at a time
+        self._graph_io: dict[
+            int, tuple[torch.Tensor, torch.Tensor]
+        ] = {}  # canvas length -> (logits, SC input)
         self._geometry: torch.Tensor | None = None  # the denoise's `KVCache.denoise_geometry`, on the device
         self._prefill_graphs: dict[int, fast_ops.GraphStep | None] = {}  # bucket -> graph (None: ran eagerly)
         self._prefill_stage: KVCache | None = None  # where `_prefill_padded` writes K/V
@@ -288,61 +295,77 @@ class DiffusionGemma(nn.Module):
         return self._denoise_forward(canvas, kv, sc_probs, sc_seed)[None]
 
     def _denoise_forward(
-        self, canvas: torch.Tensor, kv: KVCache, sc_probs: torch.Tensor | None, sc_seed: bool
+        self,
+        canvas: torch.Tensor,
+        kv: KVCache,
+        sc_probs: torch.Tensor | None,
+        sc_seed: bool,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         h = self._decoder_input(canvas, sc_probs, sc_seed)
         h = self._decode_layers(h, kv)
-        return self._logits(h)
+        return self._logits(h, out)
 
     def _denoise_graphed(
         self, canvas: torch.Tensor, kv: KVCache, sc_probs: torch.Tensor | None, sc_seed: bool
     ) -> torch.Tensor:
         """Replay (capturing on first use) the fused denoise graph for this cache, key bucket and mode."""
         mode = (canvas.shape[0], sc_probs is not None, sc_seed)
+        out = self._graph_buffers(canvas.shape[0])[0]
         step = self._graph(
-            kv, mode, lambda ids, p: self._denoise_forward(ids, kv, p, sc_seed), canvas, sc_probs
+            kv, mode, lambda ids, p: self._denoise_forward(ids, kv, p, sc_seed, out), canvas, sc_probs
         )
         return step(canvas, sc_probs)
 
+    def _graph_buffers(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits every denoise graph of canvas length c writes (fp32 [c, V]) and the SC input they all read
+        (the embedding's dtype, [c, V]), made on first use."""
+        if c not in self._graph_io:
+            v = self.cfg.vocab_size
+            logits = torch.empty(c, v, device=self.device, dtype=torch.float32)
+            self._graph_io[c] = (logits, torch.zeros(c, v, device=self.device, dtype=self.embed.dtype))
+        return self._graph_io[c]
+
     def _graph(self, kv: KVCache, mode: tuple, fn, ids: torch.Tensor, sc: torch.Tensor | None):
         """The captured graph of `fn` (a denoise step or a commit over the canvas slots) for this cache, key bucket
-        and mode, captured on first use (with `sc`, the SC input, copied in the embedding's dtype, which its GEMM
-        reads). The graphs read the cache length on the device, so one serves every block until the full layers'
-        keys outgrow their bucket; the last GRAPH_BUCKETS buckets' graphs are kept, those of another cache
-        dropped."""
-        cache = self._graph_key(kv)
-        if cache != self._graph_cache:
-            self._graphs.clear()
-            self._graph_cache = cache
-        bucket = self._full_keys(kv, ids.shape[0])
-        graphs = self._graphs.pop(bucket, {})
-        self._graphs[bucket] = graphs  # the most recently used last
+        and mode, captured on first use (with `sc`, the SC input, copied into the shared buffer its GEMM reads).
+        The graphs read the cache length on the device, so one serves every block until the full layers' keys
+        outgrow their bucket; the last GRAPH_BUCKETS (cache, bucket) pairs' graphs are kept."""
+        key = (self._graph_key(kv), self._full_keys(kv, ids.shape[0]))
+        entry = self._graphs.pop(key, None)
+        if (
+            entry is None or entry[0]() is not kv
+        ):  # none yet, or a freed cache's whose id and memory were reused
+            entry = (weakref.ref(kv), {})
+        self._graphs[key] = entry  # the most recently used last
         while len(self._graphs) > GRAPH_BUCKETS:
             del self._graphs[next(iter(self._graphs))]
-        step = graphs.get(mode)
+        step = entry[1].get(mode)
         if step is None:
             # A shared pool is safe: a step's output is read before the next replay overwrites it (copy=False),
-            # and the inputs (ids, SC) are the graph's own buffers outside the pool. Capturing into a pool none of
+            # and the inputs (ids, SC) and the logits are buffers outside the pool. Capturing into a pool none of
             # whose graphs is alive failed (torch 2.11's allocator asserts, bench/results/session15/): a new one.
-            if not any(self._graphs.values()):
+            if not any(graphs for _, graphs in self._graphs.values()):
                 self._graph_pool = torch.cuda.graph_pool_handle()
-            sc = None if sc is None else sc.to(self.embed.dtype)
+            sc = None if sc is None else self._graph_buffers(ids.shape[0])[1].copy_(sc)
             step = fast_ops.GraphStep(fn, ids, sc, self._graph_pool)
-            graphs[mode] = step
+            entry[1][mode] = step
         return step
 
     def release_graphs(self) -> None:
-        """Drop the denoise and commit graphs (each tied to the cache it was captured on) and their memory pool."""
+        """Drop the denoise and commit graphs (each tied to the cache it was captured on), their memory pool and
+        their shared buffers."""
         self._graphs.clear()
-        self._graph_cache = None
         self._graph_pool = None
+        self._graph_io.clear()
 
     def sc_input_buffer(self, kv: KVCache, canvas_len: int) -> torch.Tensor | None:
         """The captured denoise graph's SC input for this cache and canvas length, if there is one ([C, V] in the
         model's dtype): SC probabilities written there are not copied in again by the next `denoise`."""
-        if self._graph_cache != self._graph_key(kv):
+        entry = self._graphs.get((self._graph_key(kv), self._full_keys(kv, canvas_len)))
+        if entry is None or entry[0]() is not kv:
             return None
-        step = self._graphs.get(self._full_keys(kv, canvas_len), {}).get((canvas_len, True, False))
+        step = entry[1].get((canvas_len, True, False))
         return None if step is None else step.sc
 
     @staticmethod
@@ -407,13 +430,17 @@ class DiffusionGemma(nn.Module):
         sc = F.linear(ops.gelu_tanh(F.linear(x, self.sc_gate)) * F.linear(x, self.sc_up), self.sc_down)
         return ops.rms_norm(emb + sc, None, cfg.rms_norm_eps)
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+    def _logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Softcapped fp32 logits [C, V]; on the fused path into `out` when given (a graph's shared buffer)."""
         h = ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
         head = self.embed if self.lm_head is None else self.lm_head
         logits = F.linear(h, head.to(h.dtype))
         cap = self.cfg.final_logit_softcapping
         if self.is_fused:
-            return self.fused_regions["softcap"](logits, cap)
+            if out is None:
+                out = torch.empty(logits.shape, device=logits.device, dtype=torch.float32)
+            self.fused_regions["softcap"](logits, cap, out)
+            return out
         return ops.softcap(logits, cap)
 
     def _inv_freq(self, layer: Layer, device: torch.device) -> torch.Tensor:
