@@ -182,8 +182,10 @@ def test_denoise_graphs_of_recent_key_buckets_are_kept(tmp_path, monkeypatch):
 def test_denoise_graphs_are_kept_per_cache(tmp_path, monkeypatch):
     """Two caches (a server's two conversations) denoised in turn: each captures its graph once and then
     replays it, every replay equal to the step run eagerly on that cache, and all of them write one logits
-    buffer. A cache whose graphs' key another cache takes (a freed cache's id and memory reused) captures its own
-    instead of replaying the other's."""
+    buffer. A kept graph does not keep its cache alive; a cache whose graphs' key another cache takes (a freed
+    cache's id and memory reused) captures its own instead of replaying the other's."""
+    import gc
+
     from diffgemma.kernels import cuda as fast_ops
     from diffgemma.model.model import DiffusionGemma
 
@@ -209,6 +211,14 @@ def test_denoise_graphs_are_kept_per_cache(tmp_path, monkeypatch):
             assert rel(got, expected) < 1e-3
             outs.add(got.data_ptr())
     assert len(captures) == 2 and len(outs) == 1
+    # a kept graph does not keep its cache alive
+    nbytes = sum(t.numel() * t.element_size() for t in kv2.kv)
+    before = torch.cuda.memory_allocated()
+    del cache, kv2  # the loop's variable held the last one
+    gc.collect()
+    assert torch.cuda.memory_allocated() <= before - nbytes
+    kv2 = m.new_cache(128)
+    m.prefill(torch.randint(0, m.cfg.vocab_size, (1, 25), generator=torch.Generator().manual_seed(2)), kv2)
     monkeypatch.setattr(DiffusionGemma, "_graph_key", staticmethod(lambda cache: "one key"))
     for cache, expected in zip((kv, kv2, kv), want + want[:1], strict=True):
         assert rel(m.denoise(canvas, cache), expected) < 1e-3

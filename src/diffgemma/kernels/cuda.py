@@ -498,12 +498,12 @@ class GraphStep:
     length, canvas length, SC mode), or a padded prefill into a staging cache for a fixed token count.
 
     The ids are copied into a static buffer; `sc` is the SC input buffer itself (the caller's, which several
-    graphs may share). The output is the graph's static output (callers clone)."""
+    graphs may share). The output is the graph's static output (callers clone). `fn` is not kept: what it
+    refers to (a KV cache) may be freed while the graph lives, as long as the graph is not replayed then."""
 
     def __init__(self, fn, ids: torch.Tensor, sc: torch.Tensor | None, pool, warm_up: bool = True):
         self.ids = ids.clone()
         self.sc = sc
-        self.fn = fn
         if warm_up:  # outside capture: compiles, cuBLAS handles, SDPA workspaces
             stream = _warm_up_stream(torch.cuda.current_device())
             stream.wait_stream(torch.cuda.current_stream())

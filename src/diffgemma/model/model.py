@@ -166,9 +166,8 @@ class DiffusionGemma(nn.Module):
         # least recently used first
         self._graphs: dict[tuple, tuple[weakref.ref, dict[tuple, fast_ops.GraphStep]]] = {}
         self._graph_pool = None  # one memory pool for them: they replay one at a time
-        self._graph_io: dict[
-            int, tuple[torch.Tensor, torch.Tensor]
-        ] = {}  # canvas length -> (logits, SC input)
+        # canvas length -> the logits every denoise graph writes and the SC input they read (`_graph_buffers`)
+        self._graph_io: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._geometry: torch.Tensor | None = None  # the denoise's `KVCache.denoise_geometry`, on the device
         self._prefill_graphs: dict[int, fast_ops.GraphStep | None] = {}  # bucket -> graph (None: ran eagerly)
         self._prefill_stage: KVCache | None = None  # where `_prefill_padded` writes K/V
@@ -333,9 +332,9 @@ class DiffusionGemma(nn.Module):
         outgrow their bucket; the last GRAPH_BUCKETS (cache, bucket) pairs' graphs are kept."""
         key = (self._graph_key(kv), self._full_keys(kv, ids.shape[0]))
         entry = self._graphs.pop(key, None)
-        if (
-            entry is None or entry[0]() is not kv
-        ):  # none yet, or a freed cache's whose id and memory were reused
+        # None yet, or a freed cache's (its id and memory reused): a graph never outlives its cache in use, as a
+        # graph holds the cache only weakly (GraphStep keeps no reference to `fn`)
+        if entry is None or entry[0]() is not kv:
             entry = (weakref.ref(kv), {})
         self._graphs[key] = entry  # the most recently used last
         while len(self._graphs) > GRAPH_BUCKETS:
