@@ -135,24 +135,15 @@ def test_graphed_denoise_matches_eager(tmp_path):
     assert not any(r.failed for r in m.fused_regions.values())
 
 
-def test_denoise_graphs_of_recent_key_buckets_are_kept(tmp_path, monkeypatch):
+def test_denoise_graphs_of_recent_key_buckets_are_kept(tmp_path, monkeypatch, graph_captures):
     """The engine's cache emptied for a request shorter than the last one: with FULL_KEY_BUCKET at 32 the two
     lengths below fall in different key buckets (64 and 96), and the shorter one's graph, kept, replays instead
-    of being captured again; with GRAPH_BUCKETS at 1 only the last bucket's graph is kept. Every replay matches
-    the step run eagerly. Each bucket's graph output (copy=False) stays referenced past its graph's eviction, as a
-    caller's may, so the dropped graphs' pool keeps blocks while the next capture needs a pool."""
-    from diffgemma.kernels import cuda as fast_ops
+    of being captured again; with GRAPH_BUCKETS at 1 only the last bucket's graph is kept, and the next capture
+    needs a new memory pool. Every replay matches the step run eagerly. Each replay's output (copy=False: the one
+    logits buffer every graph writes) stays referenced past its graph's eviction, as a caller's may."""
     from diffgemma.model import model as model_module
 
     monkeypatch.setattr(model_module, "FULL_KEY_BUCKET", 32)
-    captures = []
-    real_step = fast_ops.GraphStep
-
-    def graph_step(*args, **kwargs):
-        captures.append(1)
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(fast_ops, "GraphStep", graph_step)
     m, canvas, kv = _tiny_bf16_model_with_prompt(tmp_path)
     m.fast, m.fuse = True, True
     g = torch.Generator().manual_seed(1)
@@ -167,11 +158,11 @@ def test_denoise_graphs_of_recent_key_buckets_are_kept(tmp_path, monkeypatch):
         m.prefill(prompt, kv)
         want = m.denoise(canvas, kv)
         m.use_graphs = True
-        before = len(captures)
+        before = len(graph_captures)
         for _ in range(2):
             assert rel(m.denoise(canvas, kv), want) < 1e-3, kv.length
         held.append(m.denoise(canvas, kv, copy=False))
-        return len(captures) - before
+        return len(graph_captures) - before
 
     assert [captures_at(short), captures_at(long)] == [1, 1]
     assert [captures_at(short), captures_at(long)] == [0, 0]
@@ -179,24 +170,15 @@ def test_denoise_graphs_of_recent_key_buckets_are_kept(tmp_path, monkeypatch):
     assert [captures_at(long), captures_at(short), captures_at(long)] == [0, 1, 1]
 
 
-def test_denoise_graphs_are_kept_per_cache(tmp_path, monkeypatch):
+def test_denoise_graphs_are_kept_per_cache(tmp_path, monkeypatch, graph_captures):
     """Two caches (a server's two conversations) denoised in turn: each captures its graph once and then
     replays it, every replay equal to the step run eagerly on that cache, and all of them write one logits
     buffer. A kept graph does not keep its cache alive; a cache whose graphs' key another cache takes (a freed
     cache's id and memory reused) captures its own instead of replaying the other's."""
     import gc
 
-    from diffgemma.kernels import cuda as fast_ops
     from diffgemma.model.model import DiffusionGemma
 
-    captures = []
-    real_step = fast_ops.GraphStep
-
-    def graph_step(*args, **kwargs):
-        captures.append(1)
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(fast_ops, "GraphStep", graph_step)
     m, canvas, kv = _tiny_bf16_model_with_prompt(tmp_path)
     m.fast, m.fuse, m.use_graphs = True, True, False
     kv2 = m.new_cache(128)
@@ -210,7 +192,7 @@ def test_denoise_graphs_are_kept_per_cache(tmp_path, monkeypatch):
             got = m.denoise(canvas, cache, copy=False)
             assert rel(got, expected) < 1e-3
             outs.add(got.data_ptr())
-    assert len(captures) == 2 and len(outs) == 1
+    assert len(graph_captures) == 2 and len(outs) == 1
     # a kept graph does not keep its cache alive
     nbytes = sum(t.numel() * t.element_size() for t in kv2.kv)
     before = torch.cuda.memory_allocated()
@@ -224,7 +206,7 @@ def test_denoise_graphs_are_kept_per_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(DiffusionGemma, "_graph_key", staticmethod(lambda cache: "one key"))
     for cache, expected in zip((kv, kv2, kv), want + want[:1], strict=True):
         assert rel(m.denoise(canvas, cache), expected) < 1e-3
-    assert len(captures) == 5
+    assert len(graph_captures) == 5
 
 
 def test_generate_writes_sc_into_the_graph_buffer(tmp_path, monkeypatch):
