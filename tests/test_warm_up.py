@@ -84,6 +84,12 @@ def test_chat_warms_up_while_the_first_message_is_typed(tiny_a, monkeypatch):
     cli.chat(json_out=True, model=None, seed=1, ctx=2048, max_tokens=8, think=False, device=None, dtype=None)
     assert events == ["warm-up", "warm", "reply"]
 
+    # quit before any message: the warm-up is waited for, no reply
+    events.clear()
+    lines = iter(["/quit"])
+    cli.chat(json_out=True, model=None, seed=1, ctx=2048, max_tokens=8, think=False, device=None, dtype=None)
+    assert events == ["warm-up", "warm"]
+
     # piped input: the first message is there at once, nothing to overlap, no warm-up
     events.clear()
     lines = iter(["hello", "/quit"])

@@ -320,6 +320,10 @@ def chat(
             if json_out:
                 print(json.dumps(result_json(out, wall, turn=len(messages) // 2)), flush=True)
             _stderr(summary(out, wall))
+        if warm is not None:  # quit before the first reply: let the warm-up end, not die inside a CUDA call
+            if warm.is_alive():
+                _stderr("finishing the warm-up before exiting")
+            warm.join()
 
 
 def _warm_up(engine) -> None:
