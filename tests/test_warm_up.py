@@ -127,3 +127,25 @@ def test_serve_warms_up_before_it_listens(tiny_a, monkeypatch):
     monkeypatch.setattr(uvicorn, "run", lambda app, **k: events.append(f"listen {k['host']}:{k['port']}"))
     run.serve(tiny_a, port=8123, ctx=2048)
     assert events == ["warm-up", "listen 127.0.0.1:8123"]
+
+
+def test_ask_runs_the_regions_eagerly(tiny_a, monkeypatch, capsys):
+    # one short reply: torch.compile would cost more than it saves (`DiffusionGemma.compile_regions`)
+    eng = _fused(tiny_a)
+    monkeypatch.setattr(cli, "load_engine", lambda *a: eng)
+    cli.ask(
+        prompt="hello",
+        json_out=True,
+        model=None,
+        seed=1,
+        ctx=2048,
+        max_tokens=8,
+        raw=False,
+        think=False,
+        device=None,
+        dtype=None,
+    )
+    assert '"completion_tokens": 8' in capsys.readouterr().out
+    regions = [*eng.model.fused_regions.values(), *eng.model.prefill_regions.values()]
+    assert regions and not any(r.enabled or r._seen for r in regions)
+    assert eng.model.is_fused  # the fused path (and on CUDA its graphs), only without torch.compile

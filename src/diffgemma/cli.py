@@ -241,6 +241,7 @@ def ask(
         if not text.strip():
             raise CliError("empty prompt", 2)
         engine = load_engine(model, device, dtype, ctx)
+        engine.model.compile_regions(False)  # one reply: compiling would cost more than it saves
         ids = _prompt_ids(engine, text, raw, think, ctx)
         out, wall = stream_reply(engine, engine.generate, ids, json_out, max_new_tokens=max_tokens, seed=seed)
         if json_out:

@@ -135,6 +135,19 @@ def test_graphed_denoise_matches_eager(tmp_path):
     assert not any(r.failed for r in m.fused_regions.values())
 
 
+def test_graphed_denoise_with_eager_regions_matches_eager(tmp_path):
+    """`compile_regions(False)` (a one-shot `ask`): the regions run as plain torch ops inside the captured graph,
+    which matches the same step run without graphs, and nothing is compiled."""
+    m, canvas, kv = _tiny_bf16_model_with_prompt(tmp_path)
+    m.compile_regions(False)
+    m.use_graphs = False
+    want = m.denoise(canvas, kv)
+    m.use_graphs = True
+    for _ in range(2):  # the capture's replay, then a replay
+        assert rel(m.denoise(canvas, kv), want) < 1e-3
+    assert m._graphs and not any(r._seen for r in [*m.fused_regions.values(), *m.prefill_regions.values()])
+
+
 def test_denoise_graphs_of_recent_key_buckets_are_kept(tmp_path, monkeypatch, graph_captures):
     """The engine's cache emptied for a request shorter than the last one: with FULL_KEY_BUCKET at 32 the two
     lengths below fall in different key buckets (64 and 96), and the shorter one's graph, kept, replays instead
