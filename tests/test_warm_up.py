@@ -21,6 +21,11 @@ def _fused(path):
     return eng
 
 
+def _chat() -> None:
+    """`diffgemma chat --json` in-process, on whatever `load_engine` and `_read_line` are patched to give."""
+    cli.chat(json_out=True, model=None, seed=1, ctx=2048, max_tokens=8, think=False, device=None, dtype=None)
+
+
 def _variants(model) -> dict[str, int]:
     regions = {f"prefill.{n}": r for n, r in model.prefill_regions.items()}
     regions.update({f"denoise.{n}": r for n, r in model.fused_regions.items()})
@@ -81,20 +86,20 @@ def test_chat_warms_up_while_the_first_message_is_typed(tiny_a, monkeypatch):
     monkeypatch.setattr(cli, "load_engine", lambda *a: eng)
     monkeypatch.setattr(cli.sys.stdin, "isatty", lambda: True)
     monkeypatch.setattr(cli, "_read_line", lambda tty: next(lines))
-    cli.chat(json_out=True, model=None, seed=1, ctx=2048, max_tokens=8, think=False, device=None, dtype=None)
+    _chat()
     assert events == ["warm-up", "warm", "reply"]
 
     # quit before any message: the warm-up is waited for, no reply
     events.clear()
     lines = iter(["/quit"])
-    cli.chat(json_out=True, model=None, seed=1, ctx=2048, max_tokens=8, think=False, device=None, dtype=None)
+    _chat()
     assert events == ["warm-up", "warm"]
 
     # piped input: the first message is there at once, nothing to overlap, no warm-up
     events.clear()
     lines = iter(["hello", "/quit"])
     monkeypatch.setattr(cli.sys.stdin, "isatty", lambda: False)
-    cli.chat(json_out=True, model=None, seed=1, ctx=2048, max_tokens=8, think=False, device=None, dtype=None)
+    _chat()
     assert events == ["reply"]
 
 
@@ -109,7 +114,7 @@ def test_chat_reports_a_failed_warm_up_and_replies_anyway(tiny_a, monkeypatch, c
     monkeypatch.setattr(cli, "load_engine", lambda *a: eng)
     monkeypatch.setattr(cli.sys.stdin, "isatty", lambda: True)
     monkeypatch.setattr(cli, "_read_line", lambda tty: next(lines))
-    cli.chat(json_out=True, model=None, seed=1, ctx=2048, max_tokens=8, think=False, device=None, dtype=None)
+    _chat()
     out, err = capsys.readouterr()
     assert "warm-up failed (RuntimeError: no compiler); the first reply compiles instead" in err
     assert '"turn": 1' in out
