@@ -22,7 +22,8 @@ class FakeModel:
         script: Callable[[int, torch.Tensor], torch.Tensor],
         dtype: torch.dtype = torch.float32,
     ):
-        self.cfg = SimpleNamespace(vocab_size=vocab, canvas_length=canvas)
+        # no final softcap: the scripted logits are what the sampler sees
+        self.cfg = SimpleNamespace(vocab_size=vocab, canvas_length=canvas, final_logit_softcapping=None)
         self.device = torch.device("cpu")
         self.dtype = dtype
         self.script = script
@@ -32,7 +33,7 @@ class FakeModel:
         self.prefilled: list[list[int]] = []
         self.prefill_dtypes: list[torch.dtype | None] = []
 
-    def denoise(self, canvas, kv, sc_logits=None, *, sc_probs=None, sc_seed=False, copy=True):
+    def denoise(self, canvas, kv, sc_logits=None, *, sc_probs=None, sc_seed=False, raw=False):
         self.canvases.append(canvas[0].tolist())
         self.sc.append("probs" if sc_probs is not None else "seed" if sc_seed else "none")
         if sc_probs is not None:

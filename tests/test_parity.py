@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from diffgemma.kernels.torch_ref import softcap
 from diffgemma.weights.loader import load_model
 
 transformers = pytest.importorskip("transformers")
@@ -44,6 +45,9 @@ def test_prefill_denoise_logits_match_transformers(tiny):
     a = ours.denoise(canvas, kv)
     b = ref(decoder_input_ids=canvas, past_key_values=cache).logits
     assert (a - b).abs().max() <= TOL
+    # raw=True (what generation reads): the LM head's output, which the sampler softcaps as it reads it
+    raw = ours.denoise(canvas, kv, raw=True)
+    assert torch.equal(softcap(raw, cfg.final_logit_softcapping), a) and (raw - a).abs().max() > 1e-3
 
     # A later step: self-conditioning from the previous step's tempered logits.
     sc = b / 0.7

@@ -39,6 +39,19 @@ def test_entropy_is_in_nats_of_the_tempered_distribution():
     assert (sharp.entropy < soft.entropy).all()
 
 
+def test_row_stats_softcaps_logits_it_is_given_raw():
+    """Generation hands the row pass the LM head's output before the final softcap (`softcap=`): the stats are
+    those of the softcapped logits, which differ from the raw ones' where the cap bends them."""
+    from diffgemma.kernels.torch_ref import softcap
+
+    raw = torch.randn(4, V, generator=torch.Generator().manual_seed(0)) * 40
+    got = S.row_stats(raw.to(torch.bfloat16), 0.7, sc_sparse=True, softcap=30.0)
+    want = S.row_stats(softcap(raw.to(torch.bfloat16), 30.0), 0.7, sc_sparse=True)
+    for name in ("probs", "sc", "entropy", "argmax", "p_max"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert not torch.allclose(S.row_stats(raw, 0.7).entropy, want.entropy)
+
+
 def test_accept_mask_prefix_rule_and_lowest_always_accepted():
     h = torch.tensor([0.05, 0.5, 0.02, 0.04, 0.3])
     # sorted 0.02, 0.04, 0.05, 0.3, 0.5: sums before each 0, .02, .06, .11 -> the first three

@@ -379,6 +379,32 @@ def check_row_stats(logits: torch.Tensor, temp: float) -> None:
     )
 
 
+def check_row_stats_softcap(raw: torch.Tensor, temp: float) -> None:
+    """The row pass on logits before the final softcap (`softcap=`, as generation passes a denoise graph's bf16
+    buffer) against the row pass on `torch_ref.softcap` of them: the same argmax, and the rest within fp32 ulps
+    (tanh may differ by an ulp between the two), the SC input into a bf16 buffer within one bf16 ulp."""
+    from diffgemma.engine import sampler as S
+    from diffgemma.kernels import torch_ref as ref
+    from diffgemma.kernels import triton_sampler as ts
+
+    cap, floor = 30.0, S.SC_SPARSE_LOG_RATIO
+    probs, sc, entropy, argmax, p_max = ts.row_stats(raw, temp, floor, softcap=cap)
+    w_probs, w_sc, w_entropy, w_argmax, w_p_max = ts.row_stats(ref.softcap(raw, cap), temp, floor)
+    assert torch.equal(argmax, w_argmax)
+    torch.testing.assert_close(probs, w_probs, rtol=2e-5, atol=1e-12)
+    torch.testing.assert_close(entropy, w_entropy, rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(p_max, w_p_max, rtol=2e-5, atol=0)
+    assert int(((sc > 0) != (w_sc > 0)).sum()) <= raw.shape[0]  # at most a column at the floor a row
+    out = torch.full_like(raw, float("nan"), dtype=torch.bfloat16)
+    ts.row_stats(raw, temp, floor, need_probs=False, sc_out=out, softcap=cap)
+    both = (out.float() > 0) & (w_sc > 0)
+    ulps = (out[both].view(torch.int16).int() - w_sc[both].to(torch.bfloat16).view(torch.int16).int()).abs()
+    assert int(both.sum()) > 0 and int(ulps.max()) <= 1
+    if S.fast_ops.triton_sampler_for(raw) is not None:  # the sampler's dispatch takes the kernel
+        stats = S.row_stats(raw, temp, sc_sparse=True, softcap=cap)
+        assert torch.equal(stats.probs, probs) and torch.equal(stats.entropy, entropy)
+
+
 def _check_sampler() -> None:
     """Rows longer than one block and not a multiple of it, a row whose maximum is tied (the first column wins),
     a flat row (entropy log V), a peaked row (entropy ~0) and temperatures below and above 1."""
@@ -391,6 +417,7 @@ def _check_sampler() -> None:
         logits[2] = 0.25
         logits[3, v - 1] = 200.0
         check_row_stats(logits, temp)
+        check_row_stats_softcap((logits * 3).to(torch.bfloat16), temp)
 
 
 @pytest.mark.parametrize(

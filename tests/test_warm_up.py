@@ -11,8 +11,9 @@ from diffgemma import cli
 from diffgemma.session import Conversation
 
 # The regions a reply runs on the CPU's fused path: the prefill's set, and the denoise's (route and gelu_mul are
-# the fallbacks of Triton kernels that the CPU runs as torch ops outside the regions).
-DENOISE_REGIONS = ("norm", "qkv_post", "pre_ffn", "dense_mlp", "post_ffn", "softcap")
+# the fallbacks of Triton kernels that the CPU runs as torch ops outside the regions; the final softcap is the
+# sampler's, on the raw logits).
+DENOISE_REGIONS = ("norm", "qkv_post", "pre_ffn", "dense_mlp", "post_ffn")
 
 
 def _fused(path):

@@ -152,7 +152,7 @@ def test_denoise_graphs_of_recent_key_buckets_are_kept(tmp_path, monkeypatch, gr
     """The engine's cache emptied for a request shorter than the last one: with FULL_KEY_BUCKET at 32 the two
     lengths below fall in different key buckets (64 and 96), and the shorter one's graph, kept, replays instead
     of being captured again; with GRAPH_BUCKETS at 1 only the last bucket's graph is kept, and the next capture
-    needs a new memory pool. Every replay matches the step run eagerly. Each replay's output (copy=False: the one
+    needs a new memory pool. Every replay matches the step run eagerly. Each replay's output (raw=True: the one
     logits buffer every graph writes) stays referenced past its graph's eviction, as a caller's may."""
     from diffgemma.model import model as model_module
 
@@ -174,7 +174,7 @@ def test_denoise_graphs_of_recent_key_buckets_are_kept(tmp_path, monkeypatch, gr
         before = len(graph_captures)
         for _ in range(2):
             assert rel(m.denoise(canvas, kv), want) < 1e-3, kv.length
-        held.append(m.denoise(canvas, kv, copy=False))
+        held.append(m.denoise(canvas, kv, raw=True))
         return len(graph_captures) - before
 
     assert [captures_at(short), captures_at(long)] == [1, 1]
@@ -202,8 +202,11 @@ def test_denoise_graphs_are_kept_per_cache(tmp_path, monkeypatch, graph_captures
     outs = set()
     for _ in range(3):
         for cache, expected in zip((kv, kv2), want, strict=True):
-            got = m.denoise(canvas, cache, copy=False)
-            assert rel(got, expected) < 1e-3
+            got = m.denoise(canvas, cache, raw=True)
+            assert (
+                got.dtype == torch.bfloat16
+                and rel(ref.softcap(got, m.cfg.final_logit_softcapping), expected) < 1e-3
+            )
             outs.add(got.data_ptr())
     assert len(graph_captures) == 2 and len(outs) == 1
     # a kept graph does not keep its cache alive
@@ -224,7 +227,8 @@ def test_denoise_graphs_are_kept_per_cache(tmp_path, monkeypatch, graph_captures
 
 def test_generate_writes_sc_into_the_graph_buffer(tmp_path, monkeypatch):
     """The sampler writes the next SC input straight into the captured graph's input buffer and reads the
-    graph's logits without a copy: the same ids as the copying path, over two blocks (one graph serves both)."""
+    graph's logits (before the softcap, which the row pass applies) without a copy: the same ids as a path that
+    copies them and has no SC buffer, over two blocks (one graph serves both)."""
     from diffgemma.bench import fixed_steps_sampler
     from diffgemma.engine.generate import generate
 
@@ -245,7 +249,7 @@ def test_generate_writes_sc_into_the_graph_buffer(tmp_path, monkeypatch):
     assert sum(used) >= 8, used  # steps 2-6 of each block
     monkeypatch.setattr(m, "sc_input_buffer", lambda kv, canvas_len: None)
     real_denoise = m.denoise
-    monkeypatch.setattr(m, "denoise", lambda *a, copy=True, **k: real_denoise(*a, copy=True, **k))
+    monkeypatch.setattr(m, "denoise", lambda *a, raw=False, **k: real_denoise(*a, raw=True, **k).clone())
     assert generate(m, prompt, m.new_cache(256), cfg, max_new_tokens=2 * m.cfg.canvas_length).token_ids == ids
 
 
@@ -542,6 +546,18 @@ def test_row_stats_matches_torch(temp):
     logits[7, [11, 200_000]] = 29.5
     logits[8] = 1.0
     check_row_stats(logits, temp)
+
+
+@pytest.mark.parametrize("temp", [0.4, 1.0])
+def test_row_stats_softcaps_raw_logits(temp):
+    """The row pass on a denoise graph's bf16 logits before the final softcap, at the real shape (the LM head's
+    outputs of a random model run to ~|40|), against the row pass on their fp32 softcap."""
+    from tests.test_triton_interpret import check_row_stats_softcap
+
+    g = torch.Generator(device=DEV).manual_seed(1)
+    raw = (torch.randn(256, 262144, generator=g, device=DEV) * 8).to(torch.bfloat16)
+    raw[5, [10, 100_000]] = 60.0
+    check_row_stats_softcap(raw, temp)
 
 
 @pytest.mark.parametrize("t", [256, 4000])

@@ -101,19 +101,22 @@ def denoise_block(
             return None
         remaining = n - i
         temp = S.temperature(cfg, remaining)
-        # The logits are the graph's own buffer (copy=False), read here before the next step overwrites them;
-        # the next SC input goes straight into the graph's input buffer once there is one.
+        # The logits are the graph's own buffer before the final softcap (raw=True), which the sampler's row pass
+        # applies as it reads them, before the next step overwrites them; the next SC input goes straight into
+        # the graph's input buffer once there is one.
         if stats is not None:
-            logits = model.denoise(canvas[None], kv, sc_probs=stats.sc, copy=False)
+            logits = model.denoise(canvas[None], kv, sc_probs=stats.sc, raw=True)
         else:
-            logits = model.denoise(canvas[None], kv, sc_seed=cfg.first_step_sc_seed, copy=False)
+            logits = model.denoise(canvas[None], kv, sc_seed=cfg.first_step_sc_seed, raw=True)
         sc_out = model.sc_input_buffer(kv, canvas_len)
         if sc_out is None:
             # No graph yet: a buffer in the dtype a graph's would have. Written in fp32 and cast by torch, the SC
             # input was one ulp off the sampler's own rounding in a few elements, so a first request that
             # captured graphs got other ids than the same request later (bench/results/session17/).
             sc_out = torch.empty(canvas_len, vocab, device=device, dtype=model.dtype)
-        stats = S.row_stats(logits[0], temp, cfg.sc_sparse, need_probs=uniforms is not None, sc_out=sc_out)
+        stats = S.row_stats(
+            logits[0], temp, cfg.sc_sparse, uniforms is not None, sc_out, model.cfg.final_logit_softcapping
+        )
         mask = S.accept_mask(stats.entropy, cfg.entropy_bound)
         denoised = stats.argmax if uniforms is None else S.categorical(stats.probs, uniforms[i])
         canvas = torch.where(mask, denoised, noise[i + 1])  # renoise every non-accepted row

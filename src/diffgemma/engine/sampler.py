@@ -12,6 +12,7 @@ import torch
 
 from diffgemma.config import SamplerConfig
 from diffgemma.kernels import cuda as fast_ops
+from diffgemma.kernels import torch_ref as ref_ops
 
 SC_SPARSE_LOG_RATIO = -10.0  # seed §5: survivors have p >= e^-10 * row max
 
@@ -36,9 +37,11 @@ def row_stats(
     sc_sparse: bool = False,
     need_probs: bool = True,
     sc_out: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> RowStats:
     """Tempered softmax, entropy, argmax and top probability per canvas row, and the next step's SC
-    probabilities (sparse or not; written into `sc_out` when given). logits [C, V] fp32.
+    probabilities (sparse or not; written into `sc_out` when given). logits [C, V]: fp32, or with `softcap`
+    the model's output before its final softcap (any float dtype), softcapped here as `torch_ref.softcap`.
 
     On CUDA one Triton kernel (`kernels.triton_sampler`), which skips the dense probs when they are not needed
     and sc is sparse; else (and after a Triton failure) the torch ops."""
@@ -46,9 +49,11 @@ def row_stats(
     if ts is not None:
         try:
             floor = SC_SPARSE_LOG_RATIO if sc_sparse else None
-            return RowStats(*ts.row_stats(logits, temp, floor, need_probs, sc_out))
+            return RowStats(*ts.row_stats(logits, temp, floor, need_probs, sc_out, softcap))
         except Exception as e:  # noqa: BLE001 - any failure: the torch ops from then on, loudly
             fast_ops.triton_failed("triton_sampler", e)
+    if softcap is not None:
+        logits = ref_ops.softcap(logits, softcap)
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temp
     logp = torch.log_softmax(z, dim=-1)
     probs = logp.exp()

@@ -88,8 +88,10 @@ def triton_combine_for(h: torch.Tensor):
 
 
 def triton_sampler_for(logits: torch.Tensor):
-    """kernels.triton_sampler for CUDA fp32 rows of unit stride (no earlier failure), else None."""
-    if not (logits.is_cuda and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1):
+    """kernels.triton_sampler for CUDA float rows of unit stride (no earlier failure), else None."""
+    if not (
+        logits.is_cuda and logits.dtype.is_floating_point and logits.dim() == 2 and logits.stride(1) == 1
+    ):
         return None
     return _triton_kernels("triton_sampler")
 

@@ -17,17 +17,43 @@ so 7 of the 67M elements of a real-shape step came one bf16 ulp from torch's cas
 
 z = logits * (1 / temp) with the reciprocal rounded to fp32 first: what torch computes for `logits / temp` on
 CUDA with a Python float divisor, so z matches it bit for bit and so does the argmax.
+
+With `softcap` the rows are the LM head's output before the final softcap (a denoise graph's bf16 buffer), and
+the kernel applies it as it loads them, as `torch_ref.softcap` runs on CUDA (fp32, x * (1 / cap) with the
+reciprocal rounded first, tanh, times cap): no separate pass writing the softcapped fp32 logits (67M elements
+at the real shape: 134 MB read, 268 MB written) and half the bytes for this kernel's two reads.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 BLOCK = 2048
 NUM_WARPS = 8
+
+
+# Triton 3.6's interpreter has no libdevice (its functions return None): there tanh comes from exp, within fp32
+# ulps of it, which the interpreter tests allow for.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@triton.jit
+def _load_z(ptr, ok, inv_temp, cap, inv_cap, SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr):
+    """The tempered logits of one block of a row (masked columns -inf), softcapped first with SOFTCAP."""
+    x = tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        y = x * inv_cap
+        if INTERPRET:  # noqa: SIM108 - libdevice only where compiled: one branch traced
+            x = (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)) * cap
+        else:
+            x = libdevice.tanh(y) * cap
+    return tl.where(ok, x * inv_temp, -float("inf"))
 
 
 @triton.jit
@@ -44,9 +70,13 @@ def _row_stats_kernel(
     stride_sc,
     inv_temp,
     sc_log_floor,
+    cap,
+    inv_cap,
     BLOCK: tl.constexpr,
     WRITE_PROBS: tl.constexpr,
     WRITE_SC: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_x
@@ -63,7 +93,7 @@ def _row_stats_kernel(
     start = 0
     while start < n_cols:
         ok = start + cols < n_cols
-        z = tl.load(x_row + start + cols, mask=ok, other=-float("inf")) * inv_temp
+        z = _load_z(x_row + start + cols, ok, inv_temp, cap, inv_cap, SOFTCAP, INTERPRET)
         m_new = tl.maximum(m, z)
         scale = tl.exp(m - m_new)
         d = tl.where(ok, z - m_new, 0.0)  # masked columns: e = 0, and 0 * -inf would be NaN
@@ -87,7 +117,7 @@ def _row_stats_kernel(
     start = 0
     while start < n_cols:
         ok = start + cols < n_cols
-        z = tl.load(x_row + start + cols, mask=ok, other=-float("inf")) * inv_temp
+        z = _load_z(x_row + start + cols, ok, inv_temp, cap, inv_cap, SOFTCAP, INTERPRET)
         p = tl.exp((z - m_row) - log_s)
         if WRITE_PROBS:
             tl.store(p_row + start + cols, p, mask=ok)
@@ -106,17 +136,20 @@ def row_stats(
     sc_log_floor: float | None = None,
     need_probs: bool = True,
     sc_out: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(probs [C, V] fp32, sc [C, V], entropy [C], argmax [C] int64, p_max [C]) of softmax(logits / temp); logits
-    [C, V] fp32 with unit column stride.
+    [C, V] fp32 with unit column stride, or with `softcap` logits before the final softcap (any float dtype),
+    softcapped as they are read.
 
     sc: the next step's SC probabilities: with `sc_log_floor`, p where log p >= log p_max + sc_log_floor and 0
     elsewhere, else the probs themselves; written to `sc_out` when given, fp32 or the model's dtype (a denoise
     graph's input, rounded here). Without `need_probs` the dense probs are not written when sc is sparse or in
     another dtype (probs is None)."""
-    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+    if (logits.dtype != torch.float32 and softcap is None) or logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(
-            f"row_stats wants [C, V] fp32 rows with unit stride, got {logits.dtype} {logits.stride()}"
+            f"row_stats wants [C, V] rows with unit stride, fp32 unless softcapped here, got {logits.dtype} "
+            f"{logits.stride()}"
         )
     c, v = logits.shape
     dev = logits.device
@@ -137,6 +170,8 @@ def row_stats(
     argmax = torch.empty(c, device=dev, dtype=torch.int64)
     p_max = torch.empty(c, device=dev, dtype=torch.float32)
     inv_temp = float(np.float32(1.0) / np.float32(temp))
+    cap = 1.0 if softcap is None else float(np.float32(softcap))
+    inv_cap = float(np.float32(1.0) / np.float32(cap))
     _row_stats_kernel[(c,)](
         logits,
         sc if probs is None else probs,  # an unused pointer when not written
@@ -150,9 +185,13 @@ def row_stats(
         sc.stride(0),
         inv_temp,
         -float("inf") if sc_log_floor is None else sc_log_floor,
+        cap,
+        inv_cap,
         BLOCK=BLOCK,
         WRITE_PROBS=probs is not None,
         WRITE_SC=apart,
+        SOFTCAP=softcap is not None,
+        INTERPRET=_INTERPRET,
         num_warps=NUM_WARPS,
     )
     return probs, sc, entropy, argmax, p_max

@@ -2,7 +2,8 @@
 
 prefill(ids, kv)        causal encoder pass over new tokens; writes their K/V into the cache.
 denoise(canvas, kv, …)  bidirectional decoder pass over a canvas that also attends to the cached prefix;
-                        reads the cache, never writes it; returns softcapped logits.
+                        reads the cache, never writes it; returns softcapped logits (raw=True: before the
+                        final softcap, which the sampler's row pass then applies).
 """
 
 from __future__ import annotations
@@ -274,14 +275,15 @@ class DiffusionGemma(nn.Module):
         *,
         sc_probs: torch.Tensor | None = None,
         sc_seed: bool = False,
-        copy: bool = True,
+        raw: bool = False,
     ) -> torch.Tensor:
         """Logits [1, C, V] (fp32, softcapped) for a canvas [1, C] placed after the cache.
 
         Self-conditioning: `sc_logits` as transformers' `self_conditioning_logits` (probs = their softmax), or
         `sc_probs` already normalised, or `sc_seed` (the first-step seed: the canvas's own embedding), or none.
-        copy=False may return the captured graph's own output, which the next step overwrites (the sampler
-        loop reads it before).
+        raw=True returns the LM head's output before the final softcap, in the model's dtype, for the sampler's
+        row pass to softcap as it reads it (cfg.final_logit_softcapping); on the graphed path that is the graph's
+        own buffer, which the next step overwrites (the sampler loop reads it before).
         """
         canvas = self._check_ids(canvas_ids)[0]
         if sc_logits is not None:
@@ -289,9 +291,9 @@ class DiffusionGemma(nn.Module):
         if self._fused_for(kv, canvas.shape[0]):
             self._load_geometry(kv, canvas.shape[0])  # before a replay: the graph reads it
             if self.use_graphs and self.device.type == "cuda":
-                out = self._denoise_graphed(canvas, kv, sc_probs, sc_seed and sc_probs is None)[None]
-                return out.clone() if copy else out
-        return self._denoise_forward(canvas, kv, sc_probs, sc_seed)[None]
+                out = self._denoise_graphed(canvas, kv, sc_probs, sc_seed and sc_probs is None)
+                return (out if raw else self._softcap(out))[None]
+        return self._denoise_forward(canvas, kv, sc_probs, sc_seed, raw=raw)[None]
 
     def _denoise_forward(
         self,
@@ -300,10 +302,11 @@ class DiffusionGemma(nn.Module):
         sc_probs: torch.Tensor | None,
         sc_seed: bool,
         out: torch.Tensor | None = None,
+        raw: bool = False,
     ) -> torch.Tensor:
         h = self._decoder_input(canvas, sc_probs, sc_seed)
         h = self._decode_layers(h, kv)
-        return self._logits(h, out)
+        return self._logits(h, out, raw)
 
     def _denoise_graphed(
         self, canvas: torch.Tensor, kv: KVCache, sc_probs: torch.Tensor | None, sc_seed: bool
@@ -312,16 +315,20 @@ class DiffusionGemma(nn.Module):
         mode = (canvas.shape[0], sc_probs is not None, sc_seed)
         out = self._graph_buffers(canvas.shape[0])[0]
         step = self._graph(
-            kv, mode, lambda ids, p: self._denoise_forward(ids, kv, p, sc_seed, out), canvas, sc_probs
+            kv,
+            mode,
+            lambda ids, p: self._denoise_forward(ids, kv, p, sc_seed, out, raw=True),
+            canvas,
+            sc_probs,
         )
         return step(canvas, sc_probs)
 
     def _graph_buffers(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The logits every denoise graph of canvas length c writes (fp32 [c, V]) and the SC input they all read
-        (the embedding's dtype, [c, V]), made on first use."""
+        """The logits every denoise graph of canvas length c writes (before the softcap, the model's dtype,
+        [c, V]) and the SC input they all read (the embedding's dtype, [c, V]), made on first use."""
         if c not in self._graph_io:
             v = self.cfg.vocab_size
-            logits = torch.empty(c, v, device=self.device, dtype=torch.float32)
+            logits = torch.empty(c, v, device=self.device, dtype=self.dtype)
             self._graph_io[c] = (logits, torch.zeros(c, v, device=self.device, dtype=self.embed.dtype))
         return self._graph_io[c]
 
@@ -341,7 +348,7 @@ class DiffusionGemma(nn.Module):
             del self._graphs[next(iter(self._graphs))]
         step = entry[1].get(mode)
         if step is None:
-            # A shared pool is safe: a step's output is read before the next replay overwrites it (copy=False),
+            # A shared pool is safe: a step's output is read before the next replay overwrites it (raw=True),
             # and the inputs (ids, SC) and the logits are buffers outside the pool. Capturing into a pool none of
             # whose graphs is alive failed (torch 2.11's allocator asserts, bench/results/session15/): a new one.
             if not any(graphs for _, graphs in self._graphs.values()):
@@ -440,18 +447,23 @@ class DiffusionGemma(nn.Module):
         sc = F.linear(ops.gelu_tanh(F.linear(x, self.sc_gate)) * F.linear(x, self.sc_up), self.sc_down)
         return ops.rms_norm(emb + sc, None, cfg.rms_norm_eps)
 
-    def _logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Softcapped fp32 logits [C, V]; on the fused path into `out` when given (a graph's shared buffer)."""
+    def _logits(self, h: torch.Tensor, out: torch.Tensor | None = None, raw: bool = False) -> torch.Tensor:
+        """Softcapped fp32 logits [C, V], or (raw) the LM head's output before the softcap, into `out` when given
+        (a graph's shared buffer)."""
         h = ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
-        head = self.embed if self.lm_head is None else self.lm_head
-        logits = F.linear(h, head.to(h.dtype))
+        head = (self.embed if self.lm_head is None else self.lm_head).to(h.dtype)
+        if not raw:
+            return self._softcap(F.linear(h, head))
+        return F.linear(h, head) if out is None else torch.mm(h, head.t(), out=out)
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """The final softcap in fp32 (a new tensor): one compiled pass on the fused path, else the torch ops."""
         cap = self.cfg.final_logit_softcapping
-        if self.is_fused:
-            if out is None:
-                out = torch.empty(logits.shape, device=logits.device, dtype=torch.float32)
-            self.fused_regions["softcap"](logits, cap, out)
-            return out
-        return ops.softcap(logits, cap)
+        if not self.is_fused:
+            return ops.softcap(logits, cap)
+        out = torch.empty(logits.shape, device=logits.device, dtype=torch.float32)
+        self.fused_regions["softcap"](logits, cap, out)
+        return out
 
     def _inv_freq(self, layer: Layer, device: torch.device) -> torch.Tensor:
         lt = self.cfg.layer_types[layer.idx]
