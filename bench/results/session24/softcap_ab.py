@@ -95,7 +95,9 @@ res["outputs"] = {
     "entropy_equal": float((e_old == e_new).float().mean()),
     "p_max_equal": float((p_old == p_new).float().mean()),
     "sc_equal": float((sc_old == sc_new).float().mean()),
-    "softcap_max_abs_vs_torch": float((model._softcap(raw) - torch.tanh(raw.float() / cap) * cap).abs().max()),
+    "softcap_max_abs_vs_torch": float(
+        (model._softcap(raw) - torch.tanh(raw.float() / cap) * cap).abs().max()
+    ),
 }
 print("outputs:", res["outputs"], flush=True)
 
