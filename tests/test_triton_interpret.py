@@ -418,6 +418,14 @@ def _check_sampler() -> None:
         logits[3, v - 1] = 200.0
         check_row_stats(logits, temp)
         check_row_stats_softcap((logits * 3).to(torch.bfloat16), temp)
+    # rows cut into 8 chunks of 16 columns (a program each; the last three empty) against one program a row
+    logits = torch.randn(3, 65, generator=g) * 4
+    logits[1, [7, 50]] = 30.0  # a tie across chunks: the first column wins
+    one = ts.row_stats(logits, 0.9, -10.0, chunks=1)
+    many = ts.row_stats(logits, 0.9, -10.0, chunks=8, block=8)
+    assert torch.equal(many[3], one[3]) and int(many[3][1]) == 7
+    for a, b in zip(many, one, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-12)
 
 
 @pytest.mark.parametrize(

@@ -1,12 +1,13 @@
-"""The sampler's row pass (`engine.sampler.row_stats`) as one Triton kernel: per canvas row of fp32 logits, the
-tempered softmax, its entropy, argmax and top probability.
+"""The sampler's row pass (`engine.sampler.row_stats`) in Triton: per canvas row of fp32 logits, the tempered
+softmax, its entropy, argmax and top probability.
 
 The torch ops make ~10 passes over the [C, V] fp32 logits (divide, log_softmax, exp, the entropy's product and
-sum, max), 1 GB a denoise step at C = 256 and V = 262,144. Here one program owns a row and reads it twice.
-Pass 1 keeps per lane a running max m, the rescaled sum s of exp(z - m) and t of exp(z - m) * (z - m), and the
-first index of the lane's largest z; lanes are merged at the end. With S and T the row's sums at its max M,
-log p = (z - M) - log S (log_softmax's order of operations), the entropy is log S - T / S. Pass 2 writes
-p = exp((z - M) - log S) in fp32 and/or the next step's SC input (sparse: p where z - M >= the floor, i.e.
+sum, max), 1 GB a denoise step at C = 256 and V = 262,144. Here each row is cut into CHUNKS chunks, a program
+each, in two kernels that each read the chunk once. Pass 1 keeps per lane a running max m, the rescaled sum s of
+exp(z - m) and t of exp(z - m) * (z - m), and the first index of the lane's largest z; lanes are merged into the
+chunk's (m, s, t, column). Pass 2's programs merge their row's chunks in chunk order (all alike: deterministic).
+With S and T the row's sums at its max M, log p = (z - M) - log S (log_softmax's order of operations), the
+entropy is log S - T / S. Pass 2 writes p = exp((z - M) - log S) in fp32 and/or the next step's SC input (sparse: p where z - M >= the floor, i.e.
 p >= p_max * e^floor, else 0: the sampler's SC rule in log space, so a column within rounding of the floor can
 fall on the other side than in the torch ops), and the top probability is the largest p. The SC input may be
 stored in the model's dtype, into a denoise graph's own input: the graph reads it as a bf16 GEMM operand
@@ -34,8 +35,14 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-BLOCK = 2048
-NUM_WARPS = 8
+# Programs a row, columns a step, warps: on the H200 at [256, 262,144] bf16 rows with the softcap, SC into bf16
+# (bench/results/session24/): 194.6 us a call against 298.5 for one program a row of 2,048 x 8 warps (the kernel
+# before); 192.6-221.6 for 8-32 chunks of 512-1,024 columns. The tanh makes the two passes bound by the
+# special-function units rather than the 402 MB they move; an online softmax with one exp a column, not two, gained
+# 2-6 us and was not kept.
+CHUNKS = 32
+BLOCK = 512
+NUM_WARPS = 4
 
 
 # Triton 3.6's interpreter has no libdevice (its functions return None): there tanh comes from exp, within fp32
@@ -57,31 +64,25 @@ def _load_z(ptr, ok, inv_temp, cap, inv_cap, SOFTCAP: tl.constexpr, INTERPRET: t
 
 
 @triton.jit
-def _row_stats_kernel(
+def _chunk_stats_kernel(
     x_ptr,
-    probs_ptr,
-    sc_ptr,
-    entropy_ptr,
-    argmax_ptr,
-    p_max_ptr,
+    part_ptr,
+    col_ptr,
     n_cols,
+    chunk_cols,
     stride_x,
-    stride_p,
-    stride_sc,
     inv_temp,
-    sc_log_floor,
     cap,
     inv_cap,
     BLOCK: tl.constexpr,
-    WRITE_PROBS: tl.constexpr,
-    WRITE_SC: tl.constexpr,
     SOFTCAP: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
+    """Pass 1 over one chunk of a row: its max m, the sums s of exp(z - m) and t of exp(z - m) * (z - m), and
+    the first column of its max, into part [C, chunks, 3] and col [C, chunks]."""
     row = tl.program_id(0)
+    chunk = tl.program_id(1)
     x_row = x_ptr + row.to(tl.int64) * stride_x
-    p_row = probs_ptr + row.to(tl.int64) * stride_p
-    sc_row = sc_ptr + row.to(tl.int64) * stride_sc
     cols = tl.arange(0, BLOCK)
     # A finite floor for m: a lane that has seen only masked columns rescales by exp(0) * 0, never inf - inf.
     m = tl.full((BLOCK,), -1.0e30, tl.float32)
@@ -89,10 +90,11 @@ def _row_stats_kernel(
     t = tl.zeros((BLOCK,), tl.float32)
     best = tl.full((BLOCK,), -float("inf"), tl.float32)
     best_col = tl.zeros((BLOCK,), tl.int32)
-    # while, not range(0, n_cols, BLOCK): Triton 3.6's interpreter cannot bound a range by a runtime argument.
-    start = 0
-    while start < n_cols:
-        ok = start + cols < n_cols
+    start = chunk * chunk_cols
+    end = tl.minimum(start + chunk_cols, n_cols)
+    # while, not range(start, end, BLOCK): Triton 3.6's interpreter cannot bound a range by a runtime argument.
+    while start < end:
+        ok = start + cols < end
         z = _load_z(x_row + start + cols, ok, inv_temp, cap, inv_cap, SOFTCAP, INTERPRET)
         m_new = tl.maximum(m, z)
         scale = tl.exp(m - m_new)
@@ -105,18 +107,75 @@ def _row_stats_kernel(
         best = tl.where(first, z, best)
         best_col = tl.where(first, start + cols, best_col)
         start += BLOCK
-    m_row = tl.max(m, axis=0)
-    w = tl.exp(m - m_row)
-    s_row = tl.sum(s * w, axis=0)
-    t_row = tl.sum(w * (t + (m - m_row) * s), axis=0)
+    m_c = tl.max(m, axis=0)
+    w = tl.exp(m - m_c)
+    part = part_ptr + (row * tl.num_programs(1) + chunk) * 3
+    tl.store(part, m_c)
+    tl.store(part + 1, tl.sum(s * w, axis=0))
+    tl.store(part + 2, tl.sum(w * (t + (m - m_c) * s), axis=0))
+    # an empty chunk (m_c the floor, best -inf) gives n_cols, which the merge never picks
+    tl.store(
+        col_ptr + row * tl.num_programs(1) + chunk, tl.min(tl.where(best == m_c, best_col, n_cols), axis=0)
+    )
+
+
+@triton.jit
+def _chunk_probs_kernel(
+    x_ptr,
+    part_ptr,
+    col_ptr,
+    probs_ptr,
+    sc_ptr,
+    entropy_ptr,
+    argmax_ptr,
+    p_max_ptr,
+    n_cols,
+    chunk_cols,
+    stride_x,
+    stride_p,
+    stride_sc,
+    inv_temp,
+    sc_log_floor,
+    cap,
+    inv_cap,
+    BLOCK: tl.constexpr,
+    CHUNKS_P2: tl.constexpr,
+    WRITE_PROBS: tl.constexpr,
+    WRITE_SC: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """The row's chunks merged (every program of the row alike, in chunk order), then pass 2 over this chunk;
+    the first chunk's program stores the row's entropy and argmax, every program its largest p into p_max
+    [C, chunks]."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    n_chunks = tl.num_programs(1)
+    ks = tl.arange(0, CHUNKS_P2)
+    k_ok = ks < n_chunks
+    part = part_ptr + (row * n_chunks + ks) * 3
+    m_c = tl.load(part, mask=k_ok, other=-1.0e30)
+    s_c = tl.load(part + 1, mask=k_ok, other=0.0)
+    t_c = tl.load(part + 2, mask=k_ok, other=0.0)
+    col_c = tl.load(col_ptr + row * n_chunks + ks, mask=k_ok, other=n_cols)
+    m_row = tl.max(m_c, axis=0)
+    w = tl.exp(m_c - m_row)
+    s_row = tl.sum(s_c * w, axis=0)
+    t_row = tl.sum(w * (t_c + (m_c - m_row) * s_c), axis=0)
     log_s = tl.log(s_row)
-    tl.store(entropy_ptr + row, log_s - t_row / s_row)
-    tl.store(argmax_ptr + row, tl.min(tl.where(best == m_row, best_col, n_cols), axis=0).to(tl.int64))
+    first = chunk == 0
+    tl.store(entropy_ptr + row, log_s - t_row / s_row, mask=first)
+    tl.store(argmax_ptr + row, tl.min(tl.where(m_c == m_row, col_c, n_cols), axis=0).to(tl.int64), mask=first)
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    p_row = probs_ptr + row.to(tl.int64) * stride_p
+    sc_row = sc_ptr + row.to(tl.int64) * stride_sc
+    cols = tl.arange(0, BLOCK)
     # p_max as the max of the stored p, not exp(-log S): on the H200 the two differed by an ulp in some rows.
     p_max = tl.zeros((BLOCK,), tl.float32)
-    start = 0
-    while start < n_cols:
-        ok = start + cols < n_cols
+    start = chunk * chunk_cols
+    end = tl.minimum(start + chunk_cols, n_cols)
+    while start < end:
+        ok = start + cols < end
         z = _load_z(x_row + start + cols, ok, inv_temp, cap, inv_cap, SOFTCAP, INTERPRET)
         p = tl.exp((z - m_row) - log_s)
         if WRITE_PROBS:
@@ -127,7 +186,7 @@ def _row_stats_kernel(
             tl.store(sc_row + start + cols, sc.to(sc_ptr.dtype.element_ty), mask=ok)
         p_max = tl.maximum(p_max, p)
         start += BLOCK
-    tl.store(p_max_ptr + row, tl.max(p_max, axis=0))
+    tl.store(p_max_ptr + row * n_chunks + chunk, tl.max(p_max, axis=0))
 
 
 def row_stats(
@@ -137,6 +196,9 @@ def row_stats(
     need_probs: bool = True,
     sc_out: torch.Tensor | None = None,
     softcap: float | None = None,
+    chunks: int = CHUNKS,
+    block: int = BLOCK,
+    num_warps: int = NUM_WARPS,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(probs [C, V] fp32, sc [C, V], entropy [C], argmax [C] int64, p_max [C]) of softmax(logits / temp); logits
     [C, V] fp32 with unit column stride, or with `softcap` logits before the final softcap (any float dtype),
@@ -168,30 +230,47 @@ def row_stats(
         probs = sc = torch.empty(c, v, device=dev, dtype=torch.float32) if sc_out is None else sc_out
     entropy = torch.empty(c, device=dev, dtype=torch.float32)
     argmax = torch.empty(c, device=dev, dtype=torch.int64)
-    p_max = torch.empty(c, device=dev, dtype=torch.float32)
     inv_temp = float(np.float32(1.0) / np.float32(temp))
     cap = 1.0 if softcap is None else float(np.float32(softcap))
     inv_cap = float(np.float32(1.0) / np.float32(cap))
-    _row_stats_kernel[(c,)](
+    chunks = min(chunks, triton.cdiv(v, block))
+    chunk_cols = triton.cdiv(triton.cdiv(v, chunks), 16) * 16  # 16-aligned chunk starts: vector loads
+    part = torch.empty(c, chunks, 3, device=dev, dtype=torch.float32)
+    part_col = torch.empty(c, chunks, device=dev, dtype=torch.int32)
+    part_p_max = torch.empty(c, chunks, device=dev, dtype=torch.float32)
+    common = dict(cap=cap, inv_cap=inv_cap, BLOCK=block, SOFTCAP=softcap is not None, INTERPRET=_INTERPRET)
+    _chunk_stats_kernel[(c, chunks)](
         logits,
+        part,
+        part_col,
+        v,
+        chunk_cols,
+        logits.stride(0),
+        inv_temp,
+        **common,
+        num_warps=num_warps,
+    )
+    _chunk_probs_kernel[(c, chunks)](
+        logits,
+        part,
+        part_col,
         sc if probs is None else probs,  # an unused pointer when not written
         sc,
         entropy,
         argmax,
-        p_max,
+        part_p_max,
         v,
+        chunk_cols,
         logits.stride(0),
         sc.stride(0) if probs is None else probs.stride(0),
         sc.stride(0),
         inv_temp,
         -float("inf") if sc_log_floor is None else sc_log_floor,
-        cap,
-        inv_cap,
-        BLOCK=BLOCK,
+        **common,
+        CHUNKS_P2=triton.next_power_of_2(chunks),
         WRITE_PROBS=probs is not None,
         WRITE_SC=apart,
-        SOFTCAP=softcap is not None,
-        INTERPRET=_INTERPRET,
-        num_warps=NUM_WARPS,
+        num_warps=num_warps,
     )
+    p_max = part_p_max.amax(1)
     return probs, sc, entropy, argmax, p_max
