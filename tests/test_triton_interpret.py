@@ -62,6 +62,7 @@ def _check_moe() -> None:
         "prefill": tm.CONFIGS["prefill"],
     }
     assert tm.config_for(32 * e, e) is tm.CONFIGS[tm.DEFAULT_CONFIG]
+    assert tm.config_for(32 * e, e, split3=True) is tm.CONFIGS[tm.SPLIT3_CONFIG]  # fewer stages: fp32 x tiles
     assert tm.config_for(32 * e + 1, e) is tm.CONFIGS["prefill"]
     want = ref.moe_experts(x.double(), weights.double(), ids, gate_up.double(), down.double())
     for name, cfg in configs.items():

@@ -71,7 +71,7 @@ def triton_moe_for(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor):
     tm = _triton_kernels("triton_moe")
     # fp32 activations (three bf16 MMAs a step) only on the denoise tiles, measured at a short prompt's sizes
     split3 = x.dtype != gate_up.dtype
-    if tm is not None and split3 and tm.config_for(n_pairs, n_exp) is not tm.CONFIGS[tm.DEFAULT_CONFIG]:
+    if tm is not None and split3 and not tm.few_pairs(n_pairs, n_exp):
         return None
     return tm
 

@@ -189,7 +189,7 @@ def moe_layer_ffn(
     tm = cuda.triton_moe_for(x2, perm, gate_up)
     if tm is not None:
         try:
-            cfg = tm.config_for(perm.numel(), gate_up.shape[0])
+            cfg = tm.config_for(perm.numel(), gate_up.shape[0], x2.dtype != gate_up.dtype)
             act = tm.gate_up_act(x2, gate_up, perm, bounds, top_k, cfg.gate_up)
             y = tm.down_sorted(act, down, bounds, cfg.down)
         except Exception as e:  # noqa: BLE001 - any failure: the grouped GEMMs from then on, loudly

@@ -24,6 +24,7 @@ and read back.) H and I are compile-time constants (one compile per model shape)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -107,11 +108,19 @@ CONFIGS: dict[str, MoeConfig] = {
 # (bench/moe_kernels.py timing): uniform routing 0.486 against 0.489 ms, skewed 0.381 against 0.410; the
 # denoise step (with the down kernel at 4 stages) 16.06 / 16.10 against 16.15 / 16.17 ms at 1k, 19.84 / 19.91
 # against 19.98 / 20.11 at 32k, the same logits bit for bit.
-DEFAULT_CONFIG = "m32_s2_tma_swap"
-# fp32 activations (a short prompt's prefill, three MMAs a step) take the same tiles: on the transposed product
-# one layer of a 200-token prefill took 786 against 1,331 us for m32_s2 (mma.sync, pointer loads), the same
-# outputs bit for bit (bench/results/session18/). Through TMA without it, gate_up took 16.8 ms against 0.79
+# The same with gate_up at 5 stages (200 KB of shared memory): alone 236.6 against 240.6 us uniform and 177.2
+# against 181.0 skewed; the denoise step in one process 15.344 against 15.477 / 15.483 ms at 1k and 18.473
+# against 18.609 / 18.573 at 32k, the same logits bit for bit (bench/results/session24/).
+CONFIGS["m32_s2_tma_swap_g5"] = MoeConfig(
+    dataclasses.replace(CONFIGS["m32_s2_tma_swap"].gate_up, num_stages=5), CONFIGS["m32_s2_tma_swap"].down
+)
+DEFAULT_CONFIG = "m32_s2_tma_swap_g5"
+# fp32 activations (a short prompt's prefill, three MMAs a step) take the 4-stage tiles, as x's fp32 tiles make
+# five stages of gate_up 240 KB of shared memory: on the transposed product one layer of a 200-token prefill took
+# 786 against 1,331 us for m32_s2 (mma.sync, pointer loads), the same outputs bit for bit
+# (bench/results/session18/). Through TMA without it, gate_up took 16.8 ms against 0.79
 # (bench/results/moe_tma/README.md).
+SPLIT3_CONFIG = "m32_s2_tma_swap"
 # A prefill chunk routes hundreds of pairs to an expert: large tiles on the plain product, and m_slots 6 so
 # that a popular expert's tiles spread over six programs. Against the grouped chain it replaced (the gather,
 # grouped_mm, the compiled gelu*up, grouped_mm; bench/results/session20/), per layer: 1,024 tokens 480 against
@@ -411,11 +420,17 @@ def down_sorted(act: torch.Tensor, down: torch.Tensor, bounds: torch.Tensor, til
     return y
 
 
-def config_for(n_pairs: int, n_exp: int) -> MoeConfig:
+def few_pairs(n_pairs: int, n_exp: int) -> bool:
+    """Whether n_pairs (row, expert) pairs over n_exp experts take the denoise tiles."""
+    return n_pairs <= DENOISE_MAX_PAIRS_PER_EXPERT * n_exp
+
+
+def config_for(n_pairs: int, n_exp: int, split3: bool = False) -> MoeConfig:
     """The tiles for n_pairs (row, expert) pairs over n_exp experts: DEFAULT_CONFIG for a denoise step's few
-    pairs an expert, "prefill" for more."""
-    few = n_pairs <= DENOISE_MAX_PAIRS_PER_EXPERT * n_exp
-    return CONFIGS[DEFAULT_CONFIG if few else "prefill"]
+    pairs an expert (SPLIT3_CONFIG for fp32 activations), "prefill" for more."""
+    if not few_pairs(n_pairs, n_exp):
+        return CONFIGS["prefill"]
+    return CONFIGS[SPLIT3_CONFIG if split3 else DEFAULT_CONFIG]
 
 
 def moe_experts_triton(
@@ -428,7 +443,7 @@ def moe_experts_triton(
 ) -> torch.Tensor:
     """cuda.moe_experts as two Triton kernels. x [N, H]; weights [N, k]; ids [N, k]; gate_up [E, 2I, H];
     down [E, H, I] -> [N, H] in x's dtype. `config` overrides `config_for` (benchmarks)."""
-    cfg = config or config_for(ids.numel(), gate_up.shape[0])
+    cfg = config or config_for(ids.numel(), gate_up.shape[0], _split3(x, gate_up))
     k = ids.shape[1]
     perm, bounds = sort_pairs(ids, gate_up.shape[0])
     act = gate_up_act(x, gate_up, perm, bounds, k, cfg.gate_up)
