@@ -108,13 +108,17 @@ CONFIGS: dict[str, MoeConfig] = {
 # (bench/moe_kernels.py timing): uniform routing 0.486 against 0.489 ms, skewed 0.381 against 0.410; the
 # denoise step (with the down kernel at 4 stages) 16.06 / 16.10 against 16.15 / 16.17 ms at 1k, 19.84 / 19.91
 # against 19.98 / 20.11 at 32k, the same logits bit for bit.
-# The same with gate_up at 5 stages (200 KB of shared memory): alone 236.6 against 240.6 us uniform and 177.2
-# against 181.0 skewed; the denoise step in one process 15.344 against 15.477 / 15.483 ms at 1k and 18.473
-# against 18.609 / 18.573 at 32k, the same logits bit for bit (bench/results/session24/).
-CONFIGS["m32_s2_tma_swap_g5"] = MoeConfig(
-    dataclasses.replace(CONFIGS["m32_s2_tma_swap"].gate_up, num_stages=5), CONFIGS["m32_s2_tma_swap"].down
+# The same with gate_up at 5 stages (200 KB of shared memory) and 3 M-slots (bench/results/session24/). 5 stages:
+# alone 236.6 against 240.6 us uniform and 177.2 against 181.0 skewed; the denoise step in one process 15.344
+# against 15.477 / 15.483 ms at 1k and 18.473 against 18.609 / 18.573 at 32k, the same logits bit for bit.
+# 3 M-slots on top: alone 161.1 against 178.2 us skewed (a busy expert's tiles over three programs), 241.9
+# against 242.3 uniform; the step 15.700 against 15.698 / 15.799 ms at 1k and 18.855 against 19.049 / 18.937 at
+# 32k (a noisy machine), the same logits. Down with 3 M-slots too: 15.746 / 19.025, not kept.
+CONFIGS["m32_tma_swap_g5s3"] = MoeConfig(
+    dataclasses.replace(CONFIGS["m32_s2_tma_swap"].gate_up, num_stages=5, m_slots=3),
+    CONFIGS["m32_s2_tma_swap"].down,
 )
-DEFAULT_CONFIG = "m32_s2_tma_swap_g5"
+DEFAULT_CONFIG = "m32_tma_swap_g5s3"
 # fp32 activations (a short prompt's prefill, three MMAs a step) take the 4-stage tiles, as x's fp32 tiles make
 # five stages of gate_up 240 KB of shared memory: on the transposed product one layer of a 200-token prefill took
 # 786 against 1,331 us for m32_s2 (mma.sync, pointer loads), the same outputs bit for bit
