@@ -45,7 +45,7 @@ def row_stats(
 
     On CUDA one Triton kernel (`kernels.triton_sampler`), which skips the dense probs when they are not needed
     and sc is sparse; else (and after a Triton failure) the torch ops."""
-    ts = fast_ops.triton_sampler_for(logits)
+    ts = fast_ops.triton_sampler_for(logits, softcap is not None)
     if ts is not None:
         try:
             floor = SC_SPARSE_LOG_RATIO if sc_sparse else None

@@ -87,11 +87,11 @@ def triton_combine_for(h: torch.Tensor):
     return _triton_kernels("triton_combine") if h.is_cuda else None
 
 
-def triton_sampler_for(logits: torch.Tensor):
-    """kernels.triton_sampler for CUDA float rows of unit stride (no earlier failure), else None."""
-    if not (
-        logits.is_cuda and logits.dtype.is_floating_point and logits.dim() == 2 and logits.stride(1) == 1
-    ):
+def triton_sampler_for(logits: torch.Tensor, softcapped_here: bool = False):
+    """kernels.triton_sampler for CUDA rows of unit stride, fp32 (any float dtype when the kernel softcaps them),
+    and no earlier failure; else None."""
+    dtype_ok = logits.dtype == torch.float32 or (softcapped_here and logits.dtype.is_floating_point)
+    if not (logits.is_cuda and dtype_ok and logits.dim() == 2 and logits.stride(1) == 1):
         return None
     return _triton_kernels("triton_sampler")
 

@@ -1,5 +1,5 @@
-"""The sampler's row pass (`engine.sampler.row_stats`) in Triton: per canvas row of fp32 logits, the tempered
-softmax, its entropy, argmax and top probability.
+"""The sampler's row pass (`engine.sampler.row_stats`) in Triton: per canvas row of logits, the tempered softmax,
+its entropy, argmax and top probability.
 
 The torch ops make ~10 passes over the [C, V] fp32 logits (divide, log_softmax, exp, the entropy's product and
 sum, max), 1 GB a denoise step at C = 256 and V = 262,144. Here each row is cut into CHUNKS chunks, a program
@@ -7,9 +7,10 @@ each, in two kernels that each read the chunk once. Pass 1 keeps per lane a runn
 exp(z - m) and t of exp(z - m) * (z - m), and the first index of the lane's largest z; lanes are merged into the
 chunk's (m, s, t, column). Pass 2's programs merge their row's chunks in chunk order (all alike: deterministic).
 With S and T the row's sums at its max M, log p = (z - M) - log S (log_softmax's order of operations), the
-entropy is log S - T / S. Pass 2 writes p = exp((z - M) - log S) in fp32 and/or the next step's SC input (sparse: p where z - M >= the floor, i.e.
-p >= p_max * e^floor, else 0: the sampler's SC rule in log space, so a column within rounding of the floor can
-fall on the other side than in the torch ops), and the top probability is the largest p. The SC input may be
+entropy is log S - T / S. Pass 2 writes p = exp((z - M) - log S) in fp32 and/or the next step's SC input
+(sparse: p where z - M >= the floor, i.e. p >= p_max * e^floor, else 0: the sampler's SC rule in log space, so a
+column within rounding of the floor can fall on the other side than in the torch ops), and the top probability
+is the largest p. The SC input may be
 stored in the model's dtype, into a denoise graph's own input: the graph reads it as a bf16 GEMM operand
 anyway, and an fp32 buffer doubled this store (268 against 134 MB a step at the real shape) and took a cast
 in the graph (268 MB read, 134 written; 15.85 against 15.93 ms a replay on an H200, bench/results/session16/).
@@ -37,9 +38,9 @@ from triton.language.extra import libdevice
 
 # Programs a row, columns a step, warps: on the H200 at [256, 262,144] bf16 rows with the softcap, SC into bf16
 # (bench/results/session24/): 194.6 us a call against 298.5 for one program a row of 2,048 x 8 warps (the kernel
-# before); 192.6-221.6 for 8-32 chunks of 512-1,024 columns. The tanh makes the two passes bound by the
-# special-function units rather than the 402 MB they move; an online softmax with one exp a column, not two, gained
-# 2-6 us and was not kept.
+# before); 192.6-221.6 for 8-32 chunks of 512-1,024 columns. With the tanh, one program a row took longer on these
+# bf16 rows than on fp32 rows without it (233.3 us), twice the bytes: the instructions bound it, not the bytes.
+# An online softmax with one exp a column, not two, gained 2-6 us and was not kept.
 CHUNKS = 32
 BLOCK = 512
 NUM_WARPS = 4
