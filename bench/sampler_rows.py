@@ -1,8 +1,9 @@
 """Microbenchmark of a denoise step's sampler row pass at the real shape (256 rows of 262,144 fp32 logits): the
-torch ops of `engine.sampler.row_stats` with the sparse SC probabilities after them, against the Triton kernel
-`triton_sampler.row_stats` writing the sparse SC probabilities itself (and, as under categorical sampling, the
-dense probabilities too). Each timing is a CUDA graph of 10 calls, the median of 20 replays, per call. Prints a
-line per candidate; `--out FILE` writes JSON.
+torch ops of `engine.sampler.row_stats` with the sparse SC probabilities after them, against the Triton kernels
+of `triton_sampler.row_stats` writing the sparse SC probabilities themselves (and, as under categorical
+sampling, the dense probabilities too), and as generation runs them: on the graph's bf16 logits before the
+final softcap, which they apply, the SC input into a bf16 buffer. Each timing is a CUDA graph of 10 calls, the
+median of 20 replays, per call. Prints a line per candidate; `--out FILE` writes JSON.
 
     python bench/sampler_rows.py [--out FILE]
 """
@@ -29,7 +30,7 @@ ROWS, VOCAB, TEMP = 256, 262144, 0.7
 
 def torch_pass(logits: torch.Tensor) -> torch.Tensor:
     real = S.fast_ops.triton_sampler_for
-    S.fast_ops.triton_sampler_for = lambda x: None
+    S.fast_ops.triton_sampler_for = lambda *args: None
     try:
         return S.row_stats(logits, TEMP, sc_sparse=True).sc
     finally:
@@ -44,13 +45,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     args = ap.parse_args()
-    logits = 30 * torch.tanh(torch.randn(ROWS, VOCAB, device="cuda") * 0.2)
+    raw = (torch.randn(ROWS, VOCAB, device="cuda") * 6).to(torch.bfloat16)  # before the softcap
+    logits = 30 * torch.tanh(raw.float() / 30)
+    sc_bf16 = torch.empty(ROWS, VOCAB, device="cuda", dtype=torch.bfloat16)
     gb = ROWS * VOCAB * 4 / 1e9
     res = {}
     cands = (
         ("torch", torch_pass),
         ("triton", triton_pass),
         ("triton, dense probs too", lambda x: triton_pass(x, True)),
+        (
+            "triton, as generation",  # bf16 rows softcapped in the kernel, SC into bf16 (`gb` counts fp32)
+            lambda x: ts.row_stats(raw, TEMP, S.SC_SPARSE_LOG_RATIO, False, sc_bf16, 30.0)[1],
+        ),
     )
     for name, fn in cands:
         res[name] = us = time_graph(lambda f=fn: f(logits)) * 1e3
