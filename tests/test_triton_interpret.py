@@ -401,9 +401,8 @@ def check_row_stats_softcap(raw: torch.Tensor, temp: float) -> None:
     both = (out.float() > 0) & (w_sc > 0)
     ulps = (out[both].view(torch.int16).int() - w_sc[both].to(torch.bfloat16).view(torch.int16).int()).abs()
     assert int(both.sum()) > 0 and int(ulps.max()) <= 1
-    if (
-        S.fast_ops.triton_sampler_for(raw, softcapped_here=True) is not None
-    ):  # the sampler's dispatch takes it
+    dispatched = S.fast_ops.triton_sampler_for(raw, softcapped_here=True) is not None
+    if dispatched:  # the sampler's dispatch takes the kernel
         stats = S.row_stats(raw, temp, sc_sparse=True, softcap=cap)
         assert torch.equal(stats.probs, probs) and torch.equal(stats.entropy, entropy)
 

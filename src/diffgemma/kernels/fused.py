@@ -61,10 +61,9 @@ def qkv_post(
     return q, k.transpose(0, 1)[None], v.transpose(0, 1)[None]
 
 
-def softcap(logits: torch.Tensor, cap: float, out: torch.Tensor) -> None:
-    """`torch_ref.softcap` into `out` (fp32; a denoise graph's shared logits): one pass over the [C, vocab]
-    logits, where eager takes four (fp32 cast, divide, tanh, multiply: 0.5 ms at C=256)."""
-    out.copy_(ref.softcap(logits, cap))
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    # one pass over the [C, vocab] logits; eager is four (fp32 cast, divide, tanh, multiply: 0.5 ms at C=256)
+    return ref.softcap(logits, cap)
 
 
 def gelu_mul(gu: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,15 @@ def _load_z(ptr, ok, inv_temp, cap, inv_cap, SOFTCAP: tl.constexpr, INTERPRET: t
 
 
 @triton.jit
+def _merge(m, s, t):
+    """Partial (max m, sum s of exp(z - m), sum t of exp(z - m) * (z - m)) merged at their common max:
+    (M, S, T)."""
+    m_all = tl.max(m, axis=0)
+    w = tl.exp(m - m_all)
+    return m_all, tl.sum(s * w, axis=0), tl.sum(w * (t + (m - m_all) * s), axis=0)
+
+
+@triton.jit
 def _chunk_stats_kernel(
     x_ptr,
     part_ptr,
@@ -108,12 +117,11 @@ def _chunk_stats_kernel(
         best = tl.where(first, z, best)
         best_col = tl.where(first, start + cols, best_col)
         start += BLOCK
-    m_c = tl.max(m, axis=0)
-    w = tl.exp(m - m_c)
+    m_c, s_c, t_c = _merge(m, s, t)  # the lanes
     part = part_ptr + (row * tl.num_programs(1) + chunk) * 3
     tl.store(part, m_c)
-    tl.store(part + 1, tl.sum(s * w, axis=0))
-    tl.store(part + 2, tl.sum(w * (t + (m - m_c) * s), axis=0))
+    tl.store(part + 1, s_c)
+    tl.store(part + 2, t_c)
     # an empty chunk (m_c the floor, best -inf) gives n_cols, which the merge never picks
     tl.store(
         col_ptr + row * tl.num_programs(1) + chunk, tl.min(tl.where(best == m_c, best_col, n_cols), axis=0)
@@ -159,10 +167,7 @@ def _chunk_probs_kernel(
     s_c = tl.load(part + 1, mask=k_ok, other=0.0)
     t_c = tl.load(part + 2, mask=k_ok, other=0.0)
     col_c = tl.load(col_ptr + row * n_chunks + ks, mask=k_ok, other=n_cols)
-    m_row = tl.max(m_c, axis=0)
-    w = tl.exp(m_c - m_row)
-    s_row = tl.sum(s_c * w, axis=0)
-    t_row = tl.sum(w * (t_c + (m_c - m_row) * s_c), axis=0)
+    m_row, s_row, t_row = _merge(m_c, s_c, t_c)  # the chunks
     log_s = tl.log(s_row)
     first = chunk == 0
     tl.store(entropy_ptr + row, log_s - t_row / s_row, mask=first)

@@ -459,11 +459,7 @@ class DiffusionGemma(nn.Module):
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         """The final softcap in fp32 (a new tensor): one compiled pass on the fused path, else the torch ops."""
         cap = self.cfg.final_logit_softcapping
-        if not self.is_fused:
-            return ops.softcap(logits, cap)
-        out = torch.empty(logits.shape, device=logits.device, dtype=torch.float32)
-        self.fused_regions["softcap"](logits, cap, out)
-        return out
+        return self.fused_regions["softcap"](logits, cap) if self.is_fused else ops.softcap(logits, cap)
 
     def _inv_freq(self, layer: Layer, device: torch.device) -> torch.Tensor:
         lt = self.cfg.layer_types[layer.idx]
