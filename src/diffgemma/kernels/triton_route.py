@@ -29,6 +29,8 @@ from diffgemma.kernels import pdl
 from diffgemma.kernels.triton_attn import sm_count
 
 NUM_WARPS = 4
+# (weights, ids, bounds, perm, slot): what the two passes give (`route_sort`)
+Sorted = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def block_rows(n: int) -> int:
@@ -167,9 +169,7 @@ def _slot_kernel(
     tl.store(perm_ptr + slot, pairs, mask=ok)
 
 
-def route_sort(
-    logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def route_sort(logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int) -> Sorted:
     """From router logits [N, E]: (weights [N, k] fp32, ids [N, k] int32, bounds int32 [E + 1], perm [N*k],
     slot [N*k]), as `torch_ref.route_weights` and `fused.route` give them."""
     if logits.dim() != 2 or logits.stride(1) != 1:
@@ -179,7 +179,7 @@ def route_sort(
 
 def route_sort_from(
     x: torch.Tensor, proj: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Sorted:
     """`route_sort` of the router's logits F.linear(x, proj) (x [N, H] the router's input, proj [E, H], both
     16-bit), with the GEMM split over H (`router_partials`) and its partial products summed by the top-k pass:
     one kernel in place of cuBLAS's split-K GEMM and its reduction."""
@@ -275,7 +275,7 @@ def _router_kernel(
 
 def _sort(
     src: torch.Tensor, n_exp: int, splits: int, logit_dtype, per_expert_scale: torch.Tensor, top_k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Sorted:
     """The two passes on logits src [N, >= E] (splits 0) or on partials [splits, N, >= E] (their sum)."""
     n = src.shape[-2]
     dev = src.device

@@ -452,9 +452,8 @@ class DiffusionGemma(nn.Module):
         (a graph's shared buffer)."""
         h = ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
         head = (self.embed if self.lm_head is None else self.lm_head).to(h.dtype)
-        if not raw:
-            return self._softcap(F.linear(h, head))
-        return F.linear(h, head) if out is None else torch.mm(h, head.t(), out=out)
+        logits = F.linear(h, head) if out is None else torch.mm(h, head.t(), out=out)
+        return logits if raw else self._softcap(logits)
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         """The final softcap in fp32 (a new tensor): one compiled pass on the fused path, else the torch ops."""
