@@ -113,7 +113,7 @@ def test_errors_are_one_line_and_nonzero(model, tmp_path):
     assert (
         proc.returncode == 2
         and len(error_lines(proc)) == 1
-        and "longer than --ctx 64" in error_lines(proc)[0]
+        and "the context is 64 (--ctx)" in error_lines(proc)[0]
     )
 
     proc = run("prompt", "-m", str(model), stdin="{oops")

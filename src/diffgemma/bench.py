@@ -21,9 +21,12 @@ import torch
 
 from diffgemma.argparser import ArgumentParser
 from diffgemma.config import ModelConfig, SamplerConfig
+from diffgemma.engine.engine import set_cpu_threads
 from diffgemma.model.model import PREFILL_CHUNK, DiffusionGemma
 
 GIB = 1024**3
+CONTEXTS = "1024,8192,32768,131072"
+TINY_CONTEXTS = "256,1024"  # --tiny's default: what a CPU finishes in seconds
 
 # The real checkpoint's config.json spelling (google/diffusiongemma-26B-A4B-it); the vision tower is the
 # tiny test one (text benchmarks never run it, and transformers must still build one).
@@ -608,12 +611,16 @@ def _table(results: dict[str, Any], ctxs: list[int]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = ArgumentParser(prog="diffgemma bench", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="diffgemma bench", description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("-m", "--model", help="checkpoint directory (default: random weights at the real shape)")
     p.add_argument("--tiny", action="store_true", help="random weights at a tiny shape (CPU smoke test)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--contexts", default="1024,8192,32768,131072", help="comma-separated context lengths")
+    p.add_argument(
+        "--contexts",
+        help=f"comma-separated context lengths (default {CONTEXTS}; with --tiny {TINY_CONTEXTS})",
+    )
+    p.add_argument("--threads", type=int, help="CPU threads (default: 1 for a small model, else all cores)")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions (median), at least 10")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK)
@@ -644,6 +651,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("reps", "gen_reps"):  # the issue's rule: a median of at least 10
         if getattr(args, name) < 10:
             p.error(f"--{name.replace('_', '-')} must be at least 10, got {getattr(args, name)}")
+    if args.contexts is None:
+        args.contexts = TINY_CONTEXTS if args.tiny else CONTEXTS
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be at least 1, got {args.threads}")
+    if args.compare_hf or args.check_hf:  # before anything is measured, not after
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            p.error("--compare-hf and --check-hf need transformers: pip install 'diffgemma[test]'")
     args.max_context = {"transformers": args.transformers_max_context}
     return args
 
@@ -683,6 +699,8 @@ def main(argv: list[str] | None = None) -> int:
             + (", transformers' _init_weights distribution" if args.init == "hf" else ", wide test init")
         )
         results["init"] = args.init
+    if device.type == "cpu":
+        results["threads"] = set_cpu_threads(model.cfg, args.threads)
     if args.fuse == "off":
         model.fuse = False
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

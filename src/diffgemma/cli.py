@@ -14,16 +14,23 @@ from typing import Any
 
 import typer
 
+from diffgemma.config import CHAT_CONTEXT, SERVE_CONTEXT
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="DiffusionGemma inference engine.")
 
 MODEL = typer.Option(None, "-m", "--model", help="Model directory or HF repo id (default: discover).")
 SEED = typer.Option(42, "--seed", help="Canvas noise seed.")
-CTX = typer.Option(32768, "--ctx", help="Context budget in tokens (prompt + reply).")
+CTX = typer.Option(
+    None, "--ctx", help=f"Context in tokens, prompt + reply (default {CHAT_CONTEXT}, at most the model's)."
+)
 MAX_TOKENS = typer.Option(None, "--max-tokens", help="Reply budget (default: generation_config).")
 RAW = typer.Option(False, "--raw", help="Send the text verbatim, no chat template.")
 THINK = typer.Option(False, "--think/--no-think", help="Thinking on (reasoning in the thought channel).")
 DEVICE = typer.Option(None, "--device", help="cpu, cuda, mps (default: best available).")
 DTYPE = typer.Option(None, "--dtype", help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU).")
+THREADS = typer.Option(
+    None, "--threads", help="CPU threads (default: 1 for a small model such as the demo, else all cores)."
+)
 # click's exceptions, wherever this typer takes click from (recent ones vendor it)
 _USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 _NO_ARGS_IS_HELP = getattr(sys.modules[_USAGE_ERROR.__module__], "NoArgsIsHelpError", ())
@@ -61,21 +68,26 @@ def _stderr(message: str) -> None:
     print(f"diffgemma: {message}", file=sys.stderr, flush=True)
 
 
-def load_engine(model: str | None, device: str | None, dtype: str | None, ctx: int):
-    """Resolve and load a model, saying on stderr which one, with a spinner while weights load on a TTY."""
+def load_engine(
+    model: str | None, device: str | None, dtype: str | None, ctx: int | None, threads: int | None = None
+):
+    """Resolve and load a model, saying on stderr which one, with a spinner while weights load on a TTY.
+    The engine's `max_tokens` is the context: --ctx, else CHAT_CONTEXT capped at the model's positions."""
     import diffgemma
+    from diffgemma.config import ModelConfig
     from diffgemma.weights.download import resolve_model
 
-    if ctx <= 0:
+    if ctx is not None and ctx <= 0:
         raise CliError(f"--ctx must be positive, got {ctx}", 2)
     path = resolve_model(model)
     _stderr(f"model {path}")
+    ctx = ModelConfig.from_dir(path).context(ctx, CHAT_CONTEXT)
     if sys.stderr.isatty():
         from rich.console import Console
 
         with Console(stderr=True).status(f"loading {path.name}…"):
-            return diffgemma.load(path, device=device, dtype=dtype, max_tokens=ctx)
-    return diffgemma.load(path, device=device, dtype=dtype, max_tokens=ctx)
+            return diffgemma.load(path, device=device, dtype=dtype, max_tokens=ctx, threads=threads)
+    return diffgemma.load(path, device=device, dtype=dtype, max_tokens=ctx, threads=threads)
 
 
 class Display:
@@ -212,12 +224,12 @@ def result_json(out, wall: float, **extra: Any) -> dict[str, Any]:
     }
 
 
-def _prompt_ids(engine, text: str, raw: bool, think: bool, ctx: int) -> list[int]:
+def _prompt_ids(engine, text: str, raw: bool, think: bool) -> list[int]:
     if engine.tokenizer is None:
         raise CliError(f"{engine.path} has no tokenizer.json")
     ids = engine.prompt_ids(text, raw=raw, think=think)
-    if len(ids) >= ctx:
-        raise CliError(f"prompt is {len(ids)} tokens, longer than --ctx {ctx}", 2)
+    if len(ids) >= engine.max_tokens:
+        raise CliError(f"the prompt is {len(ids)} tokens; the context is {engine.max_tokens} (--ctx)", 2)
     return ids
 
 
@@ -233,6 +245,7 @@ def ask(
     think: bool = THINK,
     device: str | None = DEVICE,
     dtype: str | None = DTYPE,
+    threads: int | None = THREADS,
 ) -> None:
     """Answer one prompt, streaming the reply as blocks commit."""
 
@@ -240,9 +253,9 @@ def ask(
         text = sys.stdin.read() if prompt == "-" else prompt
         if not text.strip():
             raise CliError("empty prompt", 2)
-        engine = load_engine(model, device, dtype, ctx)
+        engine = load_engine(model, device, dtype, ctx, threads)
         engine.model.compile_regions(False)  # one reply: compiling would cost more than it saves
-        ids = _prompt_ids(engine, text, raw, think, ctx)
+        ids = _prompt_ids(engine, text, raw, think)
         out, wall = stream_reply(engine, engine.generate, ids, json_out, max_new_tokens=max_tokens, seed=seed)
         if json_out:
             print(json.dumps(result_json(out, wall, model=str(engine.path), seed=seed)))
@@ -262,15 +275,16 @@ def chat(
     think: bool = THINK,
     device: str | None = DEVICE,
     dtype: str | None = DTYPE,
+    threads: int | None = THREADS,
 ) -> None:
     """Interactive chat with history; only each new turn is prefilled (the KV cache is reused)."""
     from diffgemma.session import Conversation
 
     with one_line_errors():
-        engine = load_engine(model, device, dtype, ctx)
+        engine = load_engine(model, device, dtype, ctx, threads)
         if engine.tokenizer is None:
             raise CliError(f"{engine.path} has no tokenizer.json")
-        conv = Conversation(engine, ctx)
+        conv = Conversation(engine)
         messages: list[dict[str, Any]] = []
         tty = sys.stdin.isatty()
         warm = None
@@ -304,9 +318,10 @@ def chat(
                 continue
             turn = [*messages, {"role": "user", "content": line}]
             ids = engine.prompt_ids(turn, think=think)
-            if len(ids) >= ctx:
+            if len(ids) >= engine.max_tokens:
                 _stderr(
-                    f"error: conversation is {len(ids)} tokens, longer than --ctx {ctx}; /reset to start over"
+                    f"error: the conversation is {len(ids)} tokens; the context is {engine.max_tokens} (--ctx); "
+                    "/reset to start over"
                 )
                 continue
             if warm is not None:
@@ -357,13 +372,13 @@ def prompt(model: str | None = MODEL) -> None:
             raise CliError('stdin must be a JSON object with a "messages" list', 2)
         path = resolve_model(model)
         tok = ChatTokenizer.from_dir(path)
-        text = tok.render(
-            req["messages"],
+        options = dict(
             tools=req.get("tools"),
             add_generation_prompt=bool(req.get("add_generation_prompt", True)),
             enable_thinking=bool(req.get("enable_thinking", False)),
         )
-        print(json.dumps({"text": text, "ids": tok.encode(text)}))
+        text = tok.render(req["messages"], **options)
+        print(json.dumps({"text": text, "ids": tok.encode_chat(req["messages"], **options)}))
 
 
 @app.command()
@@ -371,12 +386,15 @@ def serve(
     model: str | None = MODEL,
     host: str = typer.Option("127.0.0.1", "--host", help="Bind address (loopback unless told otherwise)."),
     port: int = typer.Option(8080, "--port"),
-    ctx: int = typer.Option(131072, "--ctx", help="Context budget per conversation."),
+    ctx: int | None = typer.Option(
+        None, "--ctx", help=f"Context per conversation (default {SERVE_CONTEXT}, at most the model's)."
+    ),
     api_key: str | None = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY'."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests waiting beyond this get 503."),
     log_dir: Path | None = typer.Option(None, "--log-dir", help="Write a JSONL request log here."),
     device: str | None = DEVICE,
     dtype: str | None = DTYPE,
+    threads: int | None = THREADS,
 ) -> None:
     """OpenAI-compatible HTTP server."""
     from diffgemma.weights.download import resolve_model
@@ -396,6 +414,7 @@ def serve(
             log_dir=log_dir,
             device=device,
             dtype=dtype,
+            threads=threads,
         )
 
 

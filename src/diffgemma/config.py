@@ -15,6 +15,11 @@ FULL = "full_attention"
 
 # The config format's documented default when `canvas_length` is absent (transformers' DiffusionGemmaConfig).
 FORMAT_DEFAULT_CANVAS_LENGTH = 256
+# Contexts (prompt + reply tokens) when none is asked for, each capped at the model's positions: `load`'s,
+# `ask`/`chat`'s and `serve`'s.
+LOAD_CONTEXT = 8192
+CHAT_CONTEXT = 32768
+SERVE_CONTEXT = 131072
 
 
 class ConfigError(ValueError):
@@ -64,6 +69,7 @@ class ModelConfig:
     pad_token_id: int = 0
     bos_token_id: int = 2
     eos_token_ids: tuple[int, ...] = (1,)
+    max_position_embeddings: int | None = None  # positions the model was trained for (None: not stated)
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types[layer] == SLIDING
@@ -155,6 +161,13 @@ class ModelConfig:
         canvas = data.get("canvas_length", tc.get("canvas_length", FORMAT_DEFAULT_CANVAS_LENGTH))
         if not isinstance(canvas, int) or canvas <= 0:
             raise ConfigError(f"config.json: canvas_length must be a positive integer, got {canvas!r}")
+        max_pos = tc.get("max_position_embeddings")
+        if max_pos is not None and (
+            not isinstance(max_pos, int) or isinstance(max_pos, bool) or max_pos <= 0
+        ):
+            raise ConfigError(
+                f"config.json: max_position_embeddings must be a positive integer, got {max_pos!r}"
+            )
         activation = tc.get("hidden_activation", "gelu_pytorch_tanh")
         if activation != "gelu_pytorch_tanh":
             raise ConfigError(f"config.json: hidden_activation {activation!r} is not supported")
@@ -179,7 +192,23 @@ class ModelConfig:
             pad_token_id=int(tc.get("pad_token_id", 0) if tc.get("pad_token_id") is not None else 0),
             bos_token_id=int(tc.get("bos_token_id", 2) if tc.get("bos_token_id") is not None else 2),
             eos_token_ids=eos_ids,
+            max_position_embeddings=max_pos,
         )
+
+    def context(self, requested: int | None, default: int) -> int:
+        """Tokens of context (prompt + reply) to allocate: `requested`, which may not exceed the model's positions,
+        or `default` capped at them."""
+        limit = self.max_position_embeddings
+        if requested is None:
+            return default if limit is None else min(default, limit)
+        if requested <= 0:
+            raise ConfigError(f"the context must be a positive number of tokens, got {requested}")
+        if limit is not None and requested > limit:
+            raise ConfigError(
+                f"a context of {requested} tokens is beyond this model's {limit} positions "
+                f"(max_position_embeddings in config.json)"
+            )
+        return requested
 
 
 @dataclass(frozen=True)

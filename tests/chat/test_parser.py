@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diffgemma.chat.parser import (
+    BadCall,
     Content,
     End,
     Reasoning,
@@ -75,17 +76,15 @@ def test_thinking_open_starts_in_reasoning() -> None:
     assert coalesce(events_of(ids)) == [Reasoning("a\n\nb"), Content("c"), End("stop")]
 
 
-def test_malformed_call_becomes_content() -> None:
+def test_malformed_call_is_a_bad_call_not_content() -> None:
     events = coalesce(events_of(TOK.encode(REPLIES["malformed_call"])))
-    assert events == [Content('Surecall:broken{city:<|"|>x} done'), End("stop")]
+    assert events == [Content("Sure"), BadCall('call:broken{city:<|"|>x}'), Content(" done"), End("stop")]
 
 
 def test_special_tokens_never_leak() -> None:
     events = coalesce(events_of(TOK.encode(REPLIES["stray_specials"])))
     assert events == [Content("Hello world!\n"), End("stop")]
     for name, text in REPLIES.items():
-        if name == "malformed_call":
-            continue
         for event in events_of(TOK.encode(text)):
             if isinstance(event, Content | Reasoning):
                 decoded = TOK.encode(event.text)
@@ -109,7 +108,7 @@ def test_stop_token_ends_the_reply() -> None:
 def test_finish_flushes_truncated_reply() -> None:
     assert coalesce(events_of(TOK.encode("Partial answer"))) == [Content("Partial answer"), End("length")]
     truncated = TOK.encode('<|tool_call>call:f{a:<|"|>unfinished')
-    assert coalesce(events_of(truncated)) == [Content('call:f{a:<|"|>unfinished'), End("length")]
+    assert coalesce(events_of(truncated)) == [BadCall('call:f{a:<|"|>unfinished'), End("length")]
 
 
 def test_parse_reply() -> None:

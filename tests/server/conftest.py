@@ -86,7 +86,7 @@ class Script:
         self.prompts: list[list[int]] = []  # the uncached prompt tokens of each generation
 
     def __call__(
-        self, model, prompt_ids, kv, cfg, seed, max_new, on_step, on_block, cancel
+        self, model, prompt_ids, kv, cfg, seed, max_new, on_step, on_block, cancel, logprobs=None
     ) -> GenerateOutput:
         self.prompts.append(list(prompt_ids))
         if prompt_ids:
@@ -125,27 +125,15 @@ def script(engine, monkeypatch) -> Callable[..., Script]:
 
 @pytest.fixture
 def renders(engine, monkeypatch) -> list[dict[str, Any]]:
-    """Every prompt the server renders: {'text', 'messages', 'tools', 'enable_thinking', 'add_generation_prompt'}."""
+    """Every prompt the server encodes: {'text', 'messages', 'tools', 'enable_thinking', 'add_generation_prompt'}."""
     seen: list[dict[str, Any]] = []
-    real = engine.tokenizer.render
+    tok = engine.tokenizer
+    real = tok.encode_chat
 
     def spy(messages, tools=None, add_generation_prompt=True, enable_thinking=False):
-        text = real(
-            messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            enable_thinking=enable_thinking,
-        )
-        seen.append(
-            dict(
-                text=text,
-                messages=messages,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                enable_thinking=enable_thinking,
-            )
-        )
-        return text
+        options = dict(tools=tools, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking)
+        seen.append(dict(text=tok.render(messages, **options), messages=messages, **options))
+        return real(messages, **options)
 
-    monkeypatch.setattr(engine.tokenizer, "render", spy)
+    monkeypatch.setattr(tok, "encode_chat", spy)
     return seen

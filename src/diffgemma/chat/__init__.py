@@ -1,6 +1,7 @@
 """Gemma 4 chat format: tokenizer, prompt rendering, tool-call grammar and streaming reply parsing."""
 
 from diffgemma.chat.parser import (
+    BadCall,
     Content,
     End,
     Event,
@@ -15,6 +16,7 @@ from diffgemma.chat.tokenizer import ChatTokenizer
 from diffgemma.chat.toolcall import format_call, format_value, parse_call, parse_value
 
 __all__ = [
+    "BadCall",
     "ChatTokenizer",
     "Content",
     "End",

@@ -1,7 +1,8 @@
 """Streaming parser of a Gemma 4 reply: token ids in, reasoning / content / tool-call events out.
 
 A reply is `[<|channel>thought\\n REASONING <channel|>] (CONTENT | <|tool_call>call:NAME{...}<tool_call|>)*`
-ended by a stop token. Tokens are handled one at a time, so the events do not depend on how the id stream
+ended by a stop token. A tool call that does not parse is a `BadCall`, never content: tool grammar does not
+reach the reply's text. Tokens are handled one at a time, so the events do not depend on how the id stream
 is chunked; text is decoded incrementally and a multi-byte character is only emitted once complete.
 """
 
@@ -38,11 +39,18 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class BadCall:
+    """A `<|tool_call>` block whose body does not parse (`raw`: its text, control tokens spelled)."""
+
+    raw: str
+
+
+@dataclass(frozen=True)
 class End:
     reason: str
 
 
-Event = Reasoning | Content | ToolCall | End
+Event = Reasoning | Content | ToolCall | BadCall | End
 
 
 class _IncrementalText:
@@ -168,8 +176,7 @@ class StreamParser:
         try:
             name, arguments = parse_call(raw)
         except ValueError:
-            if raw:
-                events.append(Content(raw))
+            events.append(BadCall(raw))
             return
         self._saw_call = True
         events.append(ToolCall(name, arguments, raw))

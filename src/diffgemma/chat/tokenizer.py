@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -18,6 +19,30 @@ from diffgemma.chat.template import check_roles, normalize_messages, render_gemm
 
 # The turn-closing and tool-response tokens stop a Gemma 4 reply; used when generation_config has no list.
 _DEFAULT_STOP_TOKENS = ("<turn|>", "<|tool_response>")
+# Client text that spells a control token is swapped for one of these private-use characters while the prompt
+# is rendered, so the template's own control tokens are the only ones the encoder sees (`encode_chat`).
+_SENTINEL_BASE = 0xF0000
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's): which character stands for which byte."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_alphabet()
 
 
 def _read_json(path: Path) -> Any:
@@ -77,7 +102,15 @@ class ChatTokenizer:
             found = (tokenizer.token_to_id(t) for t in _DEFAULT_STOP_TOKENS)
             stop_ids = [self._eos_id, *(i for i in found if i is not None)]
         self._stop_ids = frozenset(int(i) for i in stop_ids)
-        self._special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        added = tokenizer.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        # Longest first, so a regex finds what the tokenizer's own added-token matcher (leftmost-longest) finds.
+        specials = sorted({t.content for t in added.values() if t.special}, key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+        # A twin that reads control-token spellings as text: how client text is tokenized.
+        self._text_tokenizer = Tokenizer.from_str(tokenizer.to_str())
+        self._text_tokenizer.encode_special_tokens = True
+        self._byte_level = '"ByteLevel"' in json.dumps(json.loads(tokenizer.to_str()).get("decoder"))
         self.chat_template = chat_template
         self._template = _compile_template(chat_template) if chat_template is not None else None
 
@@ -151,11 +184,59 @@ class ChatTokenizer:
 
     # text
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, special tokens included as written; no BOS is added (the template writes it)."""
+        """Token ids of `text` with control tokens parsed where spelled (the engine's own structure, or an
+        operator's raw prompt); no BOS is added (the template writes it). Client text goes through
+        `encode_text` or `encode_chat`."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` as plain text: a spelled control token (`<turn|>`) is tokenized as its characters."""
+        return self._text_tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        enable_thinking: bool = False,
+    ) -> list[int]:
+        """The prompt's token ids, in which only the template's own structure is control tokens: text from the
+        messages and tools (content, tool results, names, arguments, schemas) is tokenized as plain text even
+        where it spells a control token. The ids equal `encode(render(...))` whenever it spells none."""
+        check_roles(messages)
+        messages = normalize_messages(messages)
+        found: set[str] = set()
+        chars: set[str] = set()
+        _scan([messages, tools], self._special_re, found, chars)
+        if not found:
+            return self.encode(self._render(messages, tools, add_generation_prompt, enable_thinking))
+        sentinels = _sentinels(sorted(found), chars)
+        escaped = _escape([messages, tools], self._special_re, sentinels)
+        text = self._render(escaped[0], escaped[1], add_generation_prompt, enable_thinking)
+        restore = {ord(c): token for token, c in sentinels.items()}
+        ids: list[int] = []
+        pos = 0
+        assert self._special_re is not None
+        for m in self._special_re.finditer(text):  # the template's control tokens; text between them is data
+            ids += self.encode_text(text[pos : m.start()].translate(restore))
+            ids.append(self.tokenizer.token_to_id(m.group()))
+            pos = m.end()
+        return ids + self.encode_text(text[pos:].translate(restore))
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one token stands for (a token may hold part of a character): through the byte-level
+        alphabet, a `<0xNN>` byte-fallback piece or SentencePiece's `▁` space, else its decoded text."""
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None or token_id in self._special_ids:
+            return self.decode([token_id]).encode()
+        if _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(piece[3:5], 16)])
+        if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return piece.replace("\u2581", " ").encode()
 
     def render(
         self,
@@ -164,9 +245,18 @@ class ChatTokenizer:
         add_generation_prompt: bool = True,
         enable_thinking: bool = False,
     ) -> str:
-        """The prompt text: the checkpoint's chat template when it ships one, else our Gemma 4 renderer."""
+        """The prompt text: the checkpoint's chat template when it ships one, else our Gemma 4 renderer. For
+        display: the model reads `encode_chat`'s ids, which keep control-token spellings in messages as text."""
         check_roles(messages)
-        messages = normalize_messages(messages)
+        return self._render(normalize_messages(messages), tools, add_generation_prompt, enable_thinking)
+
+    def _render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+        enable_thinking: bool,
+    ) -> str:
         if self._template is None:
             return render_gemma4(
                 messages,
@@ -183,3 +273,41 @@ class ChatTokenizer:
             bos_token=self.bos_token,
             eos_token=self.eos_token,
         )
+
+
+def _scan(value: Any, pattern: re.Pattern[str] | None, found: set[str], chars: set[str]) -> None:
+    """Collect the control-token spellings in every string (and mapping key) of `value`, and its characters."""
+    if isinstance(value, str):
+        chars.update(value)
+        if pattern is not None:
+            found.update(pattern.findall(value))
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _scan(key, pattern, found, chars)
+            _scan(item, pattern, found, chars)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _scan(item, pattern, found, chars)
+
+
+def _sentinels(tokens: list[str], used: set[str]) -> dict[str, str]:
+    """One private-use character per control-token spelling, none of which occurs in the client's text."""
+    out: dict[str, str] = {}
+    code = _SENTINEL_BASE
+    for token in tokens:
+        while chr(code) in used:
+            code += 1
+        out[token] = chr(code)
+        code += 1
+    return out
+
+
+def _escape(value: Any, pattern: re.Pattern[str] | None, sentinels: dict[str, str]) -> Any:
+    """A copy of `value` with every control-token spelling in its strings replaced by its sentinel."""
+    if isinstance(value, str):
+        return pattern.sub(lambda m: sentinels[m.group()], value) if pattern is not None else value
+    if isinstance(value, Mapping):
+        return {_escape(k, pattern, sentinels): _escape(v, pattern, sentinels) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_escape(item, pattern, sentinels) for item in value]
+    return value

@@ -12,7 +12,7 @@ import torch
 
 from diffgemma.chat.parser import parse_reply
 from diffgemma.chat.tokenizer import ChatTokenizer
-from diffgemma.config import ModelConfig, SamplerConfig, env_str, load_sampler_config
+from diffgemma.config import LOAD_CONTEXT, ModelConfig, SamplerConfig, env_str, load_sampler_config
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo, generate
 from diffgemma.model.kv_cache import KVCache
 from diffgemma.model.model import DiffusionGemma
@@ -48,6 +48,34 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
 
 
 Prompt = list[int] | torch.Tensor | str | list[dict[str, Any]]
+
+# Below this many weights touched a token, CPU inference runs on one thread: its ops are too small for threads
+# to pay, and on a machine whose other cores are busy torch's spinning threads made the demo model's denoise step
+# 65x slower (docs/performance.md, "CPU threads").
+SMALL_MODEL_ACTIVE_PARAMS = 100_000_000
+_TORCH_THREADS = torch.get_num_threads()  # torch's own default (its physical cores), before anyone changes it
+
+
+def active_params(cfg: ModelConfig) -> int:
+    """Weights one token's forward multiplies: attention, dense MLP, its top-k experts, router and LM head."""
+    h, total = cfg.hidden_size, cfg.vocab_size * cfg.hidden_size
+    for i in range(cfg.num_layers):
+        q, kv = cfg.num_heads * cfg.head_dims[i], cfg.num_kv_heads[i] * cfg.head_dims[i]
+        attention = h * (2 * q + kv * (2 if cfg.is_sliding(i) else 1))
+        experts = cfg.top_k_experts * 3 * h * cfg.moe_intermediate_size
+        total += attention + 3 * h * cfg.intermediate_size + experts + cfg.num_experts * h
+    return total
+
+
+def set_cpu_threads(cfg: ModelConfig, threads: int | None = None) -> int:
+    """Set torch's intra-op threads for CPU inference and return the count: `threads` when given, else one for a
+    model under SMALL_MODEL_ACTIVE_PARAMS active weights and torch's default for a larger one."""
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    if threads is None:
+        threads = 1 if active_params(cfg) < SMALL_MODEL_ACTIVE_PARAMS else _TORCH_THREADS
+    torch.set_num_threads(threads)
+    return threads
 
 
 class Engine:
@@ -89,7 +117,7 @@ class Engine:
             prompt = [{"role": "user", "content": prompt}]
         if not isinstance(prompt, list) or not all(isinstance(m, dict) for m in prompt):
             raise TypeError("prompt must be token ids, a string, or a list of message dicts")
-        return tok.encode(tok.render(prompt, tools=tools, add_generation_prompt=True, enable_thinking=think))
+        return tok.encode_chat(prompt, tools=tools, add_generation_prompt=True, enable_thinking=think)
 
     def _need_tokenizer(self) -> ChatTokenizer:
         if self.tokenizer is None:
@@ -159,6 +187,7 @@ class Engine:
         think: bool = False,
         tools: list[dict[str, Any]] | None = None,
         raw: bool = False,
+        logprobs: int | None = None,
         **sampler_overrides: Any,
     ) -> GenerateOutput:
         """Generate a reply. The prompt is token ids, a string (one user turn) or an OpenAI-style message list;
@@ -180,7 +209,9 @@ class Engine:
             raise ValueError("empty prompt: there is nothing to condition on")
         # Like any engine with a fixed context: the reply stops at the context's end ("length").
         max_new = min(max_new, kv.max_tokens - kv.length - len(prompt_ids))
-        out = generate(self.model, list(prompt_ids), kv, cfg, seed, max_new, on_step, on_block, cancel)
+        out = generate(
+            self.model, list(prompt_ids), kv, cfg, seed, max_new, on_step, on_block, cancel, logprobs
+        )
         return self.parse(out)
 
 
@@ -188,15 +219,22 @@ def load(
     path: str | Path,
     device: str | None = None,
     dtype: str | torch.dtype | None = None,
-    max_tokens: int = 8192,
+    max_tokens: int | None = None,
+    threads: int | None = None,
     **sampler_overrides: Any,
 ) -> Engine:
-    """Load a checkpoint directory. device/dtype default to the best available (cuda/mps bf16, cpu fp32)."""
+    """Load a checkpoint directory. device/dtype default to the best available (cuda/mps bf16, cpu fp32);
+    `max_tokens` is the context (prompt + reply), at most the model's max_position_embeddings. On CPU, torch's
+    threads are set by `set_cpu_threads` (`threads` overrides its choice)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")
     device = device or env_str("DEVICE") or best_device()
     torch_dtype = resolve_dtype(dtype or env_str("DTYPE"), torch.device(device).type)
+    cfg = ModelConfig.from_dir(path)
+    max_tokens = cfg.context(max_tokens, LOAD_CONTEXT)
+    if torch.device(device).type == "cpu":
+        set_cpu_threads(cfg, threads)
     model = load_model(path, device, torch_dtype)
     sampler = load_sampler_config(path)
     if sampler_overrides:

@@ -13,6 +13,7 @@ import torch
 from diffgemma.config import SamplerConfig
 from diffgemma.engine import sampler as S
 from diffgemma.engine.rng import Rng, block_seed
+from diffgemma.kernels import torch_ref as ref_ops
 from diffgemma.model.kv_cache import KVCache
 from diffgemma.model.model import DiffusionGemma
 
@@ -44,10 +45,21 @@ class StepInfo:
 
 
 @dataclass
+class TokenLogprob:
+    """A committed token's log probability and its most likely alternatives (`top`: (id, logprob), best
+    first), from the committing step's softcapped logits at temperature 1."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class BlockResult:
     tokens: list[int]  # final commit: the argmax of the last executed step
     p_max: list[float]
     steps: int
+    logprobs: list[TokenLogprob] | None = None  # per canvas row, when asked for
 
 
 @dataclass
@@ -61,6 +73,7 @@ class GenerateOutput:
     prefill_seconds: float = 0.0
     denoise_seconds: float = 0.0
     retries: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when asked for
     cached_tokens: int = 0  # generated tokens already prefilled into the cache (all but the last block)
     reused_tokens: int = 0  # prompt tokens whose KV was reused from an earlier turn
     text: str = ""  # with a tokenizer: the reply's content, reasoning and tool calls
@@ -83,8 +96,10 @@ def denoise_block(
     on_step: Callable[[StepInfo], None] | None = None,
     cancel: CancelToken | None = None,
     block_index: int = 0,
+    logprobs: int | None = None,
 ) -> BlockResult | None:
-    """Run the entropy-bound loop on one canvas; None if cancelled. Reads `kv`, never writes it."""
+    """Run the entropy-bound loop on one canvas; None if cancelled. Reads `kv`, never writes it. With `logprobs`
+    (k >= 0), each row's committed token's log probability and its top k alternatives (`TokenLogprob`)."""
     device, vocab = model.device, model.cfg.vocab_size
     rng = Rng(seed)
     n = cfg.max_denoising_steps
@@ -126,7 +141,22 @@ def denoise_block(
         if bool(stop):  # the one host read per step
             break
     assert stats is not None
-    return BlockResult(stats.argmax.tolist(), stats.p_max.tolist(), i + 1)
+    res = BlockResult(stats.argmax.tolist(), stats.p_max.tolist(), i + 1)
+    if logprobs is not None:  # the last step's logits are still in place (no step ran after it)
+        res.logprobs = token_logprobs(logits[0], stats.argmax, logprobs, model.cfg.final_logit_softcapping)
+    return res
+
+
+def token_logprobs(raw: torch.Tensor, chosen: torch.Tensor, k: int, softcap: float) -> list[TokenLogprob]:
+    """Log probabilities of `chosen` [C] and each row's top k under softmax(softcap(raw)), raw [C, V] the LM
+    head's output before the final softcap (temperature 1: the model's own distribution)."""
+    lp = torch.log_softmax(ref_ops.softcap(raw, softcap), dim=-1)
+    picked = lp.gather(-1, chosen[:, None])[:, 0].tolist()
+    top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], chosen[:, None][:, :0])
+    return [
+        TokenLogprob(t, p, list(zip(ids, lps, strict=True)))
+        for t, p, ids, lps in zip(chosen.tolist(), picked, top_ids.tolist(), top_lp.tolist(), strict=True)
+    ]
 
 
 def confidence_cut(tokens: list[int], p_max: list[float], tau: float, stop_ids: set[int]) -> int:
@@ -160,8 +190,10 @@ def generate(
     on_step: Callable[[StepInfo], None] | None = None,
     on_block: Callable[[list[int]], None] | None = None,
     cancel: CancelToken | None = None,
+    logprobs: int | None = None,
 ) -> GenerateOutput:
-    """Prefill `prompt_ids` (the tokens not yet in `kv`) and generate a reply.
+    """Prefill `prompt_ids` (the tokens not yet in `kv`) and generate a reply; with `logprobs` (k >= 0),
+    `out.logprobs` holds each generated token's `TokenLogprob` with k alternatives.
 
     On return `kv` holds the prompt and every committed block except the last one (which the caller prefills
     with whatever follows it), so a cancelled or finished generation leaves the cache consistent.
@@ -199,7 +231,7 @@ def generate(
         retry = 0
         while True:
             res = denoise_block(
-                model, kv, cfg, block_seed(seed, b, retry), length, on_step, cancel, block_index=b
+                model, kv, cfg, block_seed(seed, b, retry), length, on_step, cancel, b, logprobs
             )
             if res is None:
                 out.finish_reason = "cancelled"
@@ -228,6 +260,7 @@ def generate(
         if stop_at is not None:
             kept = tokens[:stop_at][:remaining]
             out.token_ids += kept
+            out.logprobs += (res.logprobs or [])[: len(kept)]
             if on_block is not None:
                 on_block(kept)
             if len(kept) == stop_at:
@@ -235,6 +268,7 @@ def generate(
             return out
         kept = tokens[:remaining]
         out.token_ids += kept
+        out.logprobs += (res.logprobs or [])[: len(kept)]
         if on_block is not None:
             on_block(kept)
         pending = kept

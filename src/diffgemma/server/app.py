@@ -40,8 +40,15 @@ DEFAULT_MAX_QUEUE = 64
 DEFAULT_MAX_CONVERSATIONS = 4
 DEFAULT_MAX_BODY = 8 << 20
 DRAIN_LIMIT = 64 << 20  # read (and drop) an oversized body up to this, so the client sees the 413
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
 POLL_SECONDS = 0.25  # how often a non-streaming request checks that its client is still there
+
+
+def route_label(path: str) -> str:
+    """The metrics label of a request path: its route's template, so that labels stay a fixed set."""
+    if path in ROUTES:
+        return path
+    return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 
 def model_id_of(engine: Engine) -> str:
@@ -58,8 +65,7 @@ class _MetricsMiddleware:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        route = path if path in ROUTES or path.startswith("/v1/models/") else "other"
+        route = route_label(scope.get("path", ""))
         status = {"code": 500}
         started = time.perf_counter()
 
@@ -86,15 +92,17 @@ def create_app(
     max_conversations: int = DEFAULT_MAX_CONVERSATIONS,
     max_body_bytes: int = DEFAULT_MAX_BODY,
 ) -> FastAPI:
-    """An app serving `engine`. Its worker thread starts and stops with the app's lifespan."""
+    """An app serving `engine` with a context of `ctx` tokens a conversation (default: the engine's; at most the
+    model's positions). Its worker thread starts and stops with the app's lifespan."""
     model_id = model_id or model_id_of(engine)
-    ctx = ctx or engine.max_tokens
+    ctx = engine.config.context(ctx or engine.max_tokens, engine.max_tokens)
     registry = Registry(engine, ctx, max_conversations)
     worker: Worker
     metrics = Metrics(queue_depth=lambda: worker.depth, conversations=lambda: len(registry))
     worker = Worker(registry, max_queue)
     request_log = RequestLog(log_dir) if log_dir else None
     tok = engine.tokenizer
+    max_pos = engine.config.max_position_embeddings
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -107,7 +115,7 @@ def create_app(
             if request_log is not None:
                 request_log.close()
 
-    app = FastAPI(title="diffgemma", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="diffgemma", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(_MetricsMiddleware, metrics=metrics)
     app.state.registry, app.state.worker, app.state.metrics = registry, worker, metrics
     app.state.model_id, app.state.ctx = model_id, ctx
@@ -122,7 +130,7 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return APIError(exc.status_code, str(exc.detail), code=kind).response()
+        return APIError(exc.status_code, str(exc.detail), code=kind, headers=exc.headers).response()
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
@@ -140,6 +148,7 @@ def create_app(
                 "invalid or missing API key (send 'Authorization: Bearer KEY')",
                 type="authentication_error",
                 code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
             )
 
     async def read_json(request: Request) -> dict[str, Any]:
@@ -172,45 +181,47 @@ def create_app(
                 headers={"Retry-After": "1"},
             ) from None
 
-    def fits(n: int, param: str) -> None:
+    def budget(n: int, req: ChatRequest | CompletionRequest, param: str) -> int:
+        """The reply's token budget after a prompt of n tokens: `max_tokens` capped at what the context leaves,
+        or all of it (the reply then ends at a stop token or the context's end). A prompt that leaves no room
+        is a 400 naming both numbers."""
         if n + 1 > ctx:
             raise invalid(
-                f"the prompt is {n} tokens; this server's context is {ctx} tokens",
+                f"the prompt is {n} tokens; this server's context is {ctx} tokens"
+                + (f" (the model's positions end at {max_pos})" if max_pos == ctx else ""),
                 param=param,
                 code="context_length_exceeded",
             )
+        return min(req.max_tokens or ctx, ctx - n)
 
-    def chat_prompt(req: ChatRequest) -> tuple[list[int], list[int], list[dict[str, Any]] | None]:
+    def chat_prompt(req: ChatRequest) -> tuple[list[int], list[int], list[dict[str, Any]] | None, int]:
         if tok is None:
             raise invalid("this model has no tokenizer; use /v1/completions with token ids")
         tools = None if req.tool_choice.mode == "none" else req.tools
         try:
-            text = tok.render(
+            ids = tok.encode_chat(
                 req.messages, tools=tools, add_generation_prompt=True, enable_thinking=req.think
             )
         except (ValueError, TypeError, KeyError, jinja2.exceptions.TemplateError) as exc:
             raise invalid(f"the messages cannot be rendered: {exc}", param="messages") from None
         forced: list[int] = []
         if req.tool_choice.mode == "required":
-            # Forcing the reply to open a tool call is the grammar-level way to require one.
+            # Forcing the reply to open a tool call is the grammar-level way to require one; the name is text.
             name = req.tool_choice.name
-            forced = tok.encode("<|tool_call>call:" + (name + "{" if name else ""))
-        ids = tok.encode(text)
-        fits(len(ids) + len(forced), "messages")
-        return ids, forced, tools
+            forced = tok.encode("<|tool_call>") + tok.encode_text("call:" + (name + "{" if name else ""))
+        return ids, forced, tools, budget(len(ids) + len(forced), req, "messages")
 
-    def completion_prompt(req: CompletionRequest) -> list[int]:
+    def completion_prompt(req: CompletionRequest) -> tuple[list[int], int]:
         if isinstance(req.prompt, str):
             if tok is None:
                 raise invalid("this model has no tokenizer: send the prompt as token ids", param="prompt")
-            ids = tok.encode(req.prompt)
+            ids = tok.encode_text(req.prompt)  # client text: control tokens only as token ids
         else:
             vocab = engine.config.vocab_size
             if any(t >= vocab for t in req.prompt):
                 raise invalid(f"token ids must be below the vocabulary size {vocab}", param="prompt")
             ids = list(req.prompt)
-        fits(len(ids), "prompt")
-        return ids
+        return ids, budget(len(ids), req, "prompt")
 
     async def wait_all(request: Request, channel: Channel, cancel: CancelToken) -> tuple[list[Delta], Done]:
         """Collect a job's events; cancel it if the client disconnects while waiting."""
@@ -266,7 +277,7 @@ def create_app(
         channel: Channel,
         cancel: CancelToken,
     ) -> AsyncIterator[str]:
-        chunk = R.ChunkWriter(kind, rid, req.model, req.include_usage)
+        chunk = R.ChunkWriter(kind, rid, req.model, req.include_usage, tok)
         done, error = None, None
         try:
             if kind == "chat":
@@ -296,9 +307,9 @@ def create_app(
         check_auth(request)
         body = await read_json(request)
         req = parse_chat(body, model_id)
-        ids, forced, tools = await run_in_threadpool(chat_prompt, req)
+        ids, forced, tools, max_new = await run_in_threadpool(chat_prompt, req)
         channel, cancel = Channel(), CancelToken()
-        submit(ChatJob(req, ids, forced, tok, tools, metrics, channel, cancel))
+        submit(ChatJob(req, ids, forced, max_new, tok, tools, metrics, channel, cancel))
         rid = R.new_id("chatcmpl")
         if req.stream:
             return StreamingResponse(
@@ -306,7 +317,7 @@ def create_app(
             )
         deltas, done = await wait_all(request, channel, cancel)
         record("chat", rid, req, 200, started, done, None, body)
-        return R.chat_completion(rid, req.model, deltas, done)
+        return R.chat_completion(rid, req.model, deltas, done, tok)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -314,9 +325,9 @@ def create_app(
         check_auth(request)
         body = await read_json(request)
         req = parse_completion(body, model_id)
-        ids = await run_in_threadpool(completion_prompt, req)
+        ids, max_new = await run_in_threadpool(completion_prompt, req)
         channel, cancel = Channel(), CancelToken()
-        submit(CompletionJob(req, ids, tok, metrics, channel, cancel))
+        submit(CompletionJob(req, ids, max_new, tok, metrics, channel, cancel))
         rid = R.new_id("cmpl")
         if req.stream:
             return StreamingResponse(
@@ -325,7 +336,7 @@ def create_app(
         deltas, done = await wait_all(request, channel, cancel)
         record("completion", rid, req, 200, started, done, None, body)
         prefix = req.prompt if req.echo and isinstance(req.prompt, str) else ""
-        return R.text_completion(rid, req.model, prefix, deltas, done)
+        return R.text_completion(rid, req.model, prefix, deltas, done, tok)
 
     def model_card() -> dict[str, Any]:
         return {
@@ -359,6 +370,7 @@ def create_app(
     @app.get("/metrics")
     async def prometheus(request: Request) -> Any:
         check_auth(request)
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+        text = await run_in_threadpool(metrics.render)  # off the event loop
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app

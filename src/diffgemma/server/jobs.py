@@ -8,15 +8,16 @@ The job turns committed blocks into `Delta` events for the request's `Channel` a
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from diffgemma.chat.parser import Content, Event, Reasoning, StreamParser, ToolCall, coalesce
+from diffgemma.chat.parser import BadCall, Content, Event, Reasoning, StreamParser, ToolCall, coalesce
 from diffgemma.chat.tokenizer import ChatTokenizer
-from diffgemma.engine.generate import CancelToken, GenerateOutput
+from diffgemma.engine.generate import CancelToken, GenerateOutput, TokenLogprob
 from diffgemma.server.errors import APIError
 from diffgemma.server.metrics import Metrics
 from diffgemma.server.registry import Registry
@@ -24,7 +25,9 @@ from diffgemma.server.schema import ChatRequest, CompletionRequest
 from diffgemma.server.worker import Channel
 from diffgemma.session import Conversation
 
-VALIDATION_ATTEMPTS = 3  # json_object / required tool call: tries, each with a new seed
+log = logging.getLogger("diffgemma.server")
+
+VALIDATION_ATTEMPTS = 3  # json_object / required tool call / a tool call that parses: tries, each a new seed
 
 
 @dataclass
@@ -42,7 +45,7 @@ class Done:
     cached_tokens: int
     steps: int = 0
     attempts: int = 1
-    extra: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None  # each generated token's, when the request asked
 
     def usage(self) -> dict[str, Any]:
         return {
@@ -117,8 +120,11 @@ def strip_json(text: str) -> str | None:
 class _Base:
     """Fields and bookkeeping common to chat and raw completion jobs."""
 
-    def __init__(self, ids: list[int], metrics: Metrics, channel: Channel, cancel: CancelToken) -> None:
+    def __init__(
+        self, ids: list[int], max_new: int, metrics: Metrics, channel: Channel, cancel: CancelToken
+    ) -> None:
         self.ids = ids
+        self.max_new = max_new  # the reply's token budget (`max_tokens` within the context)
         self.metrics = metrics
         self.channel = channel
         self.cancel = cancel
@@ -142,14 +148,15 @@ class _Base:
         self,
         registry: Registry,
         ids: list[int],
-        max_tokens: int | None,
+        max_tokens: int,
         seed: int,
         on_block,
         cancel: CancelToken,
+        logprobs: int | None = None,
     ) -> tuple[GenerateOutput, Conversation]:
         try:
             out, conv = registry.generate(
-                ids, max_new_tokens=max_tokens, seed=seed, on_block=on_block, cancel=cancel
+                ids, max_new_tokens=max_tokens, seed=seed, on_block=on_block, cancel=cancel, logprobs=logprobs
             )
         except ValueError as exc:  # the engine's own checks (context) after the server's
             raise APIError(400, str(exc), code="context_length_exceeded") from None
@@ -171,6 +178,8 @@ class _Attempt:
     finish: str
     content: str
     calls: list[dict[str, Any]]
+    bad_calls: int  # tool calls that did not parse (or that tool_choice "none" did not allow): never content
+    streamed: bool  # some event already reached the client, so a retry would repeat it
 
 
 class ChatJob(_Base):
@@ -179,47 +188,54 @@ class ChatJob(_Base):
         request: ChatRequest,
         ids: list[int],
         forced: list[int],
+        max_new: int,
         tokenizer: ChatTokenizer,
         render_tools: list[dict[str, Any]] | None,
         metrics: Metrics,
         channel: Channel,
         cancel: CancelToken,
     ) -> None:
-        super().__init__(ids, metrics, channel, cancel)
+        super().__init__(ids, max_new, metrics, channel, cancel)
         self.req = request
         self.forced = forced  # reply tokens the prompt forces (tool_choice required / named)
         self.tok = tokenizer
         self.render_tools = render_tools
 
     def run(self, registry: Registry) -> None:
+        """Generate, retrying with a new seed (up to VALIDATION_ATTEMPTS) a reply that fails validation
+        (json_object, a required tool call) or holds a tool call that does not parse. A validated or
+        non-streaming reply is sent once it passes; a streaming one as it commits, and retried only if nothing
+        of it has been sent yet. A reply whose tool call never parses is answered without it, as plain text."""
         self._begin()
         req = self.req
         validated = req.json_mode or req.tool_choice.mode == "required"
-        attempts = VALIDATION_ATTEMPTS if validated else 1
+        live = req.stream and not validated
         problem = None
-        for i in range(attempts):
-            # Validated replies are buffered: only a reply that passes is streamed.
-            emit = None if validated else self._emit
-            att = self._attempt(registry, req.seed + i, emit)
-            if self.cancel.cancelled or not validated:
+        for i in range(VALIDATION_ATTEMPTS):
+            last = i + 1 == VALIDATION_ATTEMPTS
+            att = self._attempt(registry, req.seed + i, self._emit if live else None, hold_bad=not last)
+            if self.cancel.cancelled:
                 break
             problem = self._problem(att)
-            if problem is None:
+            if problem is None or (att.streamed and not validated):
                 break
-            if i + 1 < attempts:
+            if not last:
                 self.metrics.retries.inc()
-        if problem is not None:
+        if problem is not None and validated:
             self.metrics.finished.inc(reason="invalid")
+            seeds = f"seeds {req.seed}..{req.seed + i}"
             self.fail(
                 APIError(
                     422,
-                    f"{problem} after {attempts} attempts (seeds {req.seed}..{req.seed + attempts - 1})",
+                    f"{problem} after {i + 1} attempts ({seeds})",
                     type="invalid_response_error",
                     code="invalid_model_output",
                 )
             )
             return
-        if validated:
+        if problem is not None:
+            log.warning("%s after %d attempts; answering without it", problem, i + 1)
+        if not live:
             for delta in att.events:
                 self._emit(delta)
         out = att.out
@@ -232,6 +248,7 @@ class ChatJob(_Base):
                 cached_tokens=min(out.reused_tokens, len(self.ids)),
                 steps=out.steps,
                 attempts=i + 1,
+                logprobs=out.logprobs if req.logprobs is not None else None,
             )
         )
         if not self.cancel.cancelled:
@@ -241,7 +258,11 @@ class ChatJob(_Base):
         self._first_block()
         self.channel.put(delta)
 
-    def _attempt(self, registry: Registry, seed: int, emit: Callable[[Delta], None] | None) -> _Attempt:
+    def _attempt(
+        self, registry: Registry, seed: int, emit: Callable[[Delta], None] | None, hold_bad: bool
+    ) -> _Attempt:
+        """One generation. With `emit` (streaming) events go out as blocks commit; a bad tool call before any
+        of them did stops the attempt (when `hold_bad`, so that a retry repeats nothing)."""
         events: list[Delta] = []
         parser = StreamParser(self.tok)
         parser.feed(self.forced)  # puts the parser inside the forced tool call: no events yet
@@ -249,20 +270,28 @@ class ChatJob(_Base):
         cancel = LinkedCancel(self.cancel)
         calls: list[dict[str, Any]] = []
         content: list[str] = []
+        state = {"bad": 0, "held": False}
 
         def send(delta: Delta) -> None:
+            if state["held"]:
+                return
             events.append(delta)
             if emit is not None:
                 emit(delta)
 
         def handle(batch: list[Event]) -> None:
             for ev in coalesce(batch):
-                if isinstance(ev, Reasoning) and ev.text:
-                    send(Delta("reasoning", ev.text))
-                elif isinstance(ev, Content) or (
+                if isinstance(ev, BadCall) or (
                     isinstance(ev, ToolCall) and self.req.tool_choice.mode == "none"
                 ):
-                    text = stops.push(ev.text if isinstance(ev, Content) else ev.raw)
+                    state["bad"] += 1
+                    if hold_bad and not (emit is not None and events):
+                        state["held"] = True  # retried: the rest of this reply is not wanted
+                        cancel.cancel()
+                elif isinstance(ev, Reasoning) and ev.text:
+                    send(Delta("reasoning", ev.text))
+                elif isinstance(ev, Content):
+                    text = stops.push(ev.text)
                     if text:
                         content.append(text)
                         send(Delta("content", text))
@@ -281,10 +310,11 @@ class ChatJob(_Base):
         out, conv = self._generate(
             registry,
             self.ids + self.forced,
-            self.req.max_tokens,
+            self.max_new,
             seed,
             lambda ids: handle(parser.feed(ids)),
             cancel,
+            self.req.logprobs,
         )
         handle(parser.finish(out.finish_reason))
         tail = stops.flush()
@@ -295,9 +325,12 @@ class ChatJob(_Base):
             finish = "stop"
         elif self.cancel.cancelled:
             finish = "cancelled"
+        elif calls:
+            finish = "tool_calls"
         else:
-            finish = "tool_calls" if calls else out.finish_reason
-        return _Attempt(out, conv, events, finish, "".join(content), calls)
+            finish = "stop" if out.finish_reason == "cancelled" else out.finish_reason
+        streamed = emit is not None and bool(events)
+        return _Attempt(out, conv, events, finish, "".join(content), calls, state["bad"], streamed)
 
     def _problem(self, att: _Attempt) -> str | None:
         choice = self.req.tool_choice
@@ -312,6 +345,8 @@ class ChatJob(_Base):
                 return "the model did not produce a valid JSON object"
             att.content = cleaned
             att.events = [d for d in att.events if d.kind != "content"] + [Delta("content", cleaned)]
+        if att.bad_calls:
+            return "the model produced a tool call that does not parse"
         return None
 
     def _finalize(self, registry: Registry, att: _Attempt) -> None:
@@ -332,13 +367,13 @@ class ChatJob(_Base):
         reply: dict[str, Any] = {"role": "assistant", "content": "" if calls else att.content}
         if calls:
             reply["tool_calls"] = calls
-        text = self.tok.render(
+        ids = self.tok.encode_chat(
             [*self.req.messages, reply],
             tools=self.render_tools,
             add_generation_prompt=False,
             enable_thinking=self.req.think,
         )
-        registry.finalize(att.conv, self.tok.encode(text))
+        registry.finalize(att.conv, ids)
 
 
 class CompletionJob(_Base):
@@ -346,12 +381,13 @@ class CompletionJob(_Base):
         self,
         request: CompletionRequest,
         ids: list[int],
+        max_new: int,
         tokenizer: ChatTokenizer | None,
         metrics: Metrics,
         channel: Channel,
         cancel: CancelToken,
     ) -> None:
-        super().__init__(ids, metrics, channel, cancel)
+        super().__init__(ids, max_new, metrics, channel, cancel)
         self.req = request
         self.tok = tokenizer
 
@@ -376,7 +412,9 @@ class CompletionJob(_Base):
             if stops.hit:
                 cancel.cancel()
 
-        out, _ = self._generate(registry, self.ids, self.req.max_tokens, self.req.seed, on_block, cancel)
+        out, _ = self._generate(
+            registry, self.ids, self.max_new, self.req.seed, on_block, cancel, self.req.logprobs
+        )
         text = self._decode(generated)
         piece = stops.push(text[sent:]) + stops.flush()
         if piece:
@@ -390,10 +428,11 @@ class CompletionJob(_Base):
                 completion_tokens=len(out.token_ids),
                 cached_tokens=min(out.reused_tokens, len(self.ids)),
                 steps=out.steps,
+                logprobs=out.logprobs if self.req.logprobs is not None else None,
             )
         )
 
     def _decode(self, ids: list[int]) -> str:
         if self.tok is None:
             return ""
-        return self.tok.decode(ids)
+        return self.tok.decode(ids, skip_special=True)  # control tokens never reach `text`

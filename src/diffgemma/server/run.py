@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from diffgemma.config import SERVE_CONTEXT, ModelConfig
 from diffgemma.engine.engine import Engine, load
 from diffgemma.model.kv_cache import cache_bytes, ring_slots
 from diffgemma.server.app import DEFAULT_MAX_CONVERSATIONS, DEFAULT_MAX_QUEUE, create_app
@@ -54,19 +55,22 @@ def serve(
     model_path: str | Path,
     host: str = "127.0.0.1",
     port: int = 8080,
-    ctx: int = 131072,
+    ctx: int | None = None,
     api_key: str | None = None,
     max_queue: int = DEFAULT_MAX_QUEUE,
     log_dir: str | Path | None = None,
     device: str | None = None,
     dtype: str | None = None,
     max_conversations: int = DEFAULT_MAX_CONVERSATIONS,
+    threads: int | None = None,
 ) -> None:
-    """Serve the model at `model_path` with the OpenAI API until interrupted."""
+    """Serve the model at `model_path` with the OpenAI API until interrupted. The context is `ctx`, at most the
+    model's positions (default SERVE_CONTEXT capped at them), lowered to what memory holds."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = load(model_path, device=device, dtype=dtype, max_tokens=ctx)
+    ctx = ModelConfig.from_dir(model_path).context(ctx, SERVE_CONTEXT)
+    engine = load(model_path, device=device, dtype=dtype, max_tokens=ctx, threads=threads)
     if engine.model.is_fused:
         log.info("warming up: compiling kernels and capturing CUDA graphs before the first request")
         log.info("warm-up done in %.1f s", engine.warm_up())

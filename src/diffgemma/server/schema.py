@@ -1,7 +1,8 @@
 """Validation of OpenAI request bodies into plain dataclasses; every problem is a 400 (or 404 for the model).
 
 Unknown fields are ignored, as the OpenAI API does. `temperature` and `top_p` are accepted but do not apply:
-the entropy-bound sampler has no sampling temperature a client could set.
+the entropy-bound sampler has no sampling temperature a client could set. The body must be plain JSON (no
+NaN or Infinity), valid Unicode (no lone surrogates) and at most MAX_DEPTH levels deep.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from diffgemma.server.errors import APIError, invalid
 ROLES = ("system", "developer", "user", "assistant", "tool")
 DEFAULT_SEED = 42
 MAX_STOP = 16
+MAX_DEPTH = 64  # nesting levels of a request body: deeper is refused before anything walks it
+MAX_TOP_LOGPROBS = 20
 THINKING_EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
 
 
@@ -34,6 +37,7 @@ class GenParams:
     stop: list[str]
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # None: not asked; k: each token's log probability and its top k alternatives
 
 
 @dataclass
@@ -51,16 +55,50 @@ class CompletionRequest(GenParams):
     echo: bool = False
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw.decode("utf-8"))
+        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except UnicodeDecodeError:
         raise invalid("request body is not valid UTF-8", code="invalid_json") from None
+    except RecursionError:
+        raise invalid(f"request body is nested deeper than {MAX_DEPTH} levels", code="invalid_json") from None
     except ValueError as exc:
         raise invalid(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise invalid("request body must be a JSON object", code="invalid_json")
+    _check_tree(body)
     return body
+
+
+def _check_tree(body: dict[str, Any]) -> None:
+    """Refuse a body nested deeper than MAX_DEPTH or holding a string that is not valid Unicode (a lone
+    surrogate, which JSON's \\u escapes can spell), naming where. Iterative: depth costs no stack."""
+    todo: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while todo:
+        value, where, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise invalid(f"request body is nested deeper than {MAX_DEPTH} levels (at {where})", param=where)
+        if isinstance(value, str):
+            _check_text(value, where)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                path = f"{where}.{key}" if where else str(key)
+                _check_text(key, path)
+                todo.append((item, path, depth + 1))
+        elif isinstance(value, list):
+            todo.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = f"U+{ord(text[exc.start]):04X}"
+        raise invalid(f"{where} is not valid Unicode text (a lone surrogate {bad})", param=where) from None
 
 
 def _is_int(v: Any) -> bool:
@@ -128,6 +166,29 @@ def _common(body: dict[str, Any], model_id: str) -> tuple[GenParams, bool | None
     return params, think
 
 
+def _top_k(value: Any, key: str) -> int:
+    if not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise invalid(f"'{key}' must be an integer from 0 to {MAX_TOP_LOGPROBS}", param=key)
+    return value
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat: `logprobs: true` asks for them, `top_logprobs` for that many alternatives a token."""
+    asked = _optional(body, "logprobs", lambda v: isinstance(v, bool), "a boolean")
+    top = body.get("top_logprobs")
+    if top is not None:
+        top = _top_k(top, "top_logprobs")
+        if not asked:
+            raise invalid("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if asked else None
+
+
+def _completion_logprobs(body: dict[str, Any]) -> int | None:
+    """Completions: `logprobs: k` asks for each token's log probability and its top k alternatives."""
+    value = body.get("logprobs")
+    return None if value is None else _top_k(value, "logprobs")
+
+
 def _stop(value: Any) -> list[str]:
     if value is None:
         return []
@@ -171,6 +232,22 @@ def _content(message: dict[str, Any], where: str, required: bool) -> Any:
     raise invalid(f"{where}.content must be a string or a list of content parts", param=f"{where}.content")
 
 
+def _arguments(args: Any, where: str) -> str | dict[str, Any]:
+    """A call's arguments: a string that encodes a JSON object (OpenAI's wire form) or the object itself."""
+    if isinstance(args, dict):
+        return args
+    if isinstance(args, str):
+        try:
+            value = json.loads(args, parse_constant=_no_constant)
+        except (ValueError, RecursionError):
+            value = None
+        if isinstance(value, dict):
+            return args
+    raise invalid(
+        f"{where} must be a string that encodes a JSON object, got {json.dumps(args)[:80]}", param=where
+    )
+
+
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     if not isinstance(calls, list):
         raise invalid(f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
@@ -180,9 +257,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise invalid(f"{w}.function.name must be a non-empty string", param=w)
-        args = fn.get("arguments", "{}")
-        if not isinstance(args, str | dict):
-            raise invalid(f"{w}.function.arguments must be a JSON string", param=w)
+        args = _arguments(fn.get("arguments", "{}"), f"{w}.function.arguments")
         call_id = call.get("id")
         if call_id is not None and not isinstance(call_id, str):
             raise invalid(f"{w}.id must be a string", param=w)
@@ -195,7 +270,7 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
         raise invalid("'messages' is required", param="messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("'messages' must be a non-empty list", param="messages")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -219,10 +294,30 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
                     f"{where}: a tool message needs a 'tool_call_id'", param=f"{where}.tool_call_id"
                 )
             m["tool_call_id"] = message["tool_call_id"]
+            _check_answers_a_call(out, m["tool_call_id"], where)
         if isinstance(message.get("name"), str):
             m["name"] = message["name"]
         out.append(m)
     return out
+
+
+def _check_answers_a_call(earlier: list[dict[str, Any]], call_id: str, where: str) -> None:
+    """A tool message answers a call of the assistant message it follows (after that message's other
+    results), as the OpenAI API requires; the template renders it inside that assistant's turn."""
+    j = len(earlier) - 1
+    while j >= 0 and earlier[j]["role"] == "tool":
+        j -= 1
+    calls = (earlier[j].get("tool_calls") or []) if j >= 0 and earlier[j]["role"] == "assistant" else []
+    if not calls:
+        raise invalid(
+            f"{where}: a tool message must follow an assistant message with 'tool_calls'",
+            param=f"{where}.tool_call_id",
+        )
+    if call_id not in {c["id"] for c in calls}:
+        raise invalid(
+            f"{where}.tool_call_id {call_id!r} matches no call of messages[{j}].tool_calls",
+            param=f"{where}.tool_call_id",
+        )
 
 
 def parse_tools(tools: Any) -> list[dict[str, Any]] | None:
@@ -240,9 +335,42 @@ def parse_tools(tools: Any) -> list[dict[str, Any]] | None:
             raise invalid(f"tools[{i}] must be a function tool", param=f"tools[{i}]")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise invalid(f"tools[{i}].function.name must be a non-empty string", param=f"tools[{i}]")
-        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise invalid(f"tools[{i}].function.parameters must be an object", param=f"tools[{i}]")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise invalid(f"tools[{i}].function.description must be a string", param=f"tools[{i}]")
+        if fn.get("parameters") is not None:
+            _check_schema(fn["parameters"], f"tools[{i}].function.parameters")
     return tools or None
+
+
+def _check_schema(schema: Any, where: str) -> None:
+    """The parts of a JSON Schema the Gemma 4 template reads, checked for the shapes it reads them in."""
+    if not isinstance(schema, dict):
+        raise invalid(f"{where} must be an object (a JSON Schema)", param=where)
+    props = schema.get("properties")
+    if props is not None:
+        if not isinstance(props, dict):
+            raise invalid(f"{where}.properties must be an object", param=f"{where}.properties")
+        for name, sub in props.items():
+            _check_schema(sub, f"{where}.properties.{name}")
+    items = schema.get("items")
+    if isinstance(items, list):
+        for j, sub in enumerate(items):
+            _check_schema(sub, f"{where}.items[{j}]")
+    elif items is not None:
+        _check_schema(items, f"{where}.items")
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
+    if kind is not None and not all(isinstance(t, str) for t in kinds):
+        raise invalid(f"{where}.type must be a string or a list of strings", param=f"{where}.type")
+    required = schema.get("required")
+    if required is not None and (
+        not isinstance(required, list) or not all(isinstance(r, str) for r in required)
+    ):
+        raise invalid(f"{where}.required must be a list of strings", param=f"{where}.required")
+    if schema.get("enum") is not None and not isinstance(schema["enum"], list):
+        raise invalid(f"{where}.enum must be a list", param=f"{where}.enum")
+    if schema.get("description") is not None and not isinstance(schema["description"], str):
+        raise invalid(f"{where}.description must be a string", param=f"{where}.description")
 
 
 def parse_tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> ToolChoice:
@@ -305,6 +433,7 @@ def parse_chat(body: dict[str, Any], model_id: str) -> ChatRequest:
     params, forced_think = _common(body, model_id)
     messages = parse_messages(body.get("messages"))
     tools = parse_tools(body.get("tools"))
+    params.logprobs = _chat_logprobs(body)
     return ChatRequest(
         **vars(params),
         messages=messages,
@@ -324,4 +453,5 @@ def parse_completion(body: dict[str, Any], model_id: str) -> CompletionRequest:
     if not (isinstance(prompt, str) and prompt) and not ok_ids:
         raise invalid("'prompt' must be a non-empty string or a list of token ids", param="prompt")
     echo = _optional(body, "echo", lambda v: isinstance(v, bool), "a boolean") or False
+    params.logprobs = _completion_logprobs(body)
     return CompletionRequest(**vars(params), prompt=prompt, echo=echo)

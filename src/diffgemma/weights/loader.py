@@ -1,6 +1,7 @@
 """Load a DiffusionGemma checkpoint (single or sharded safetensors, memory-mapped) into our model.
 
-Safetensors only: nothing from a checkpoint is ever unpickled.
+Safetensors only: nothing from a checkpoint is ever unpickled. Every weight must be floating-point and finite
+(checked on the device as it lands); float16 weights are converted to the model's dtype, with a line saying so.
 """
 
 from __future__ import annotations
@@ -117,6 +118,24 @@ def load_weights(
             except (SafetensorError, OSError, ValueError, RuntimeError) as e:
                 raise CheckpointError(f"tensor {name}: corrupt data in {files[name].name} ({e})") from None
 
+        converted: set[torch.dtype] = set()
+
+        def land(name: str, t: torch.Tensor) -> torch.Tensor:
+            """`t` on the device in the model's dtype, refused unless floating-point and finite."""
+            if not t.dtype.is_floating_point:
+                raise CheckpointError(f"tensor {name} is {t.dtype}, not a floating-point type")
+            if t.dtype != dtype and t.dtype == torch.float16 and t.dtype not in converted:
+                converted.add(t.dtype)
+                print(
+                    f"diffgemma: the checkpoint's weights are float16; converting them to {dtype}",
+                    file=sys.stderr,
+                )
+            out = t.to(device=device, dtype=dtype)
+            if not bool(torch.isfinite(out).all()):
+                cast = f" once cast to {dtype}" if t.dtype != dtype and bool(torch.isfinite(t).all()) else ""
+                raise CheckpointError(f"tensor {name} holds NaN or infinite values{cast}")
+            return out
+
         used = set()
         for name, owner, attr in checkpoint_names(model):
             param = getattr(owner, attr)
@@ -127,7 +146,7 @@ def load_weights(
                 raise CheckpointError(
                     f"tensor {name} has shape {tuple(t.shape)}, the config expects {tuple(param.shape)}"
                 )
-            _set(owner, attr, t.to(device=device, dtype=dtype))
+            _set(owner, attr, land(name, t))
             used.add(name)
         for i, layer in enumerate(model.layers):
             name = f"{ENCODER}layers.{i}.layer_scalar"
@@ -135,7 +154,7 @@ def load_weights(
                 t = read(name)
                 if t.numel() != 1:
                     raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)}, expected (1,)")
-                _set(layer, "encoder_layer_scalar", t.reshape(1).to(device=device, dtype=dtype))
+                _set(layer, "encoder_layer_scalar", land(name, t.reshape(1)))
                 used.add(name)
             else:  # the encoder shares the decoder's weights
                 _set(layer, "encoder_layer_scalar", layer.layer_scalar.detach().clone())
