@@ -31,3 +31,37 @@ def test_bench_refuses_fewer_than_ten_reps(flag, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"diffgemma: error: {flag} must be at least 10, got 3" in err
+
+
+def test_bench_defaults_and_help():
+    from diffgemma.bench import CONTEXTS, TINY_CONTEXTS, parse_args
+
+    assert parse_args(["--tiny"]).contexts == TINY_CONTEXTS and parse_args([]).contexts == CONTEXTS
+    assert parse_args(["--tiny", "--contexts", "64"]).contexts == "64"
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "diffgemma.cli", "bench", "--help"], capture_output=True, text=True
+    )
+    assert "optionally against transformers on the very same weights" in " ".join(out.stdout.split())
+
+
+def test_compare_hf_without_transformers_fails_before_measuring(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    fake = tmp_path / "transformers"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('not installed')\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "diffgemma.cli", "bench", "--tiny", "--compare-hf"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "need transformers: pip install 'diffgemma[test]'" in proc.stderr and "ctx" not in proc.stderr

@@ -116,6 +116,16 @@ def test_errors_are_one_line_and_nonzero(model, tmp_path):
         and "the context is 64 (--ctx)" in error_lines(proc)[0]
     )
 
+    for command in (("ask", "-p", "hi"), ("chat",), ("serve",)):  # past the model's positions, before loading
+        proc = run(*command, "-m", str(model), "--ctx", "200000")
+        assert proc.returncode == 1 and len(error_lines(proc)) == 1, proc.stderr
+        assert "beyond this model's 131072 positions" in error_lines(proc)[0]
+
+    proc = run("ask", "-m", str(model), "-p", "hi", "--threads", "0")
+    assert proc.returncode == 1 and error_lines(proc) == [
+        "diffgemma: error: threads must be at least 1, got 0"
+    ]
+
     proc = run("prompt", "-m", str(model), stdin="{oops")
     assert proc.returncode == 2 and len(error_lines(proc)) == 1 and "not valid JSON" in error_lines(proc)[0]
 
@@ -145,11 +155,12 @@ def test_ctrl_c_cancels_the_reply_not_the_session(model):
     import signal
     import time
 
-    env = {
+    env = {  # a reply that cannot end by itself: no stop tokens, every block its 48 steps
         **os.environ,
         "DIFFGEMMA_MAX_DENOISING_STEPS": "48",
         "DIFFGEMMA_ENTROPY_STOP": "0",
         "DIFFGEMMA_PLATEAU_STEPS": "0",
+        "DIFFGEMMA_STOP_TOKEN_IDS": "",
     }
     proc = subprocess.Popen(
         [

@@ -122,3 +122,48 @@ def test_load_applies_sampler_overrides_and_defaults(tiny_a):
     assert eng.sampler.entropy_bound == 0.5 and eng.model.dtype == torch.float32
     with pytest.raises(ValueError, match="dtype"):
         diffgemma.load(tiny_a, device="cpu", dtype="int8")
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda t: t.long(), r"model\.decoder\.norm\.weight is torch\.int64, not a floating-point type"),
+        (lambda t: t > 0, r"model\.decoder\.norm\.weight is torch\.bool, not a floating-point type"),
+        (
+            lambda t: t.index_fill(0, torch.tensor([3]), float("nan")),
+            r"norm\.weight holds NaN or infinite values",
+        ),
+        (
+            lambda t: t.index_fill(0, torch.tensor([0]), float("inf")),
+            r"norm\.weight holds NaN or infinite values",
+        ),
+    ],
+)
+def test_non_float_and_non_finite_weights_are_refused(tmp_path, make, message):
+    p = write_tiny_checkpoint(tmp_path, tokenizer=False)
+    _rewrite(p, lambda t: t.update({"model.decoder.norm.weight": make(t["model.decoder.norm.weight"])}))
+    with pytest.raises(CheckpointError, match=message):
+        load_model(p, "cpu", torch.float32)
+
+
+def test_nan_embeddings_and_overflow_on_the_cast_are_refused(tmp_path):
+    p = write_tiny_checkpoint(tmp_path, tokenizer=False)
+    name = "model.decoder.embed_tokens.weight"
+    _rewrite(p, lambda t: t[name].__setitem__((5, 7), float("nan")))
+    with pytest.raises(CheckpointError, match=r"embed_tokens\.weight holds NaN"):
+        load_model(p, "cpu", torch.float32)
+    q = write_tiny_checkpoint(tmp_path / "big", tokenizer=False)
+    _rewrite(q, lambda t: t["model.decoder.norm.weight"].__setitem__(0, 1e30))  # finite in fp32, not in fp16
+    with pytest.raises(CheckpointError, match="once cast to float16"):
+        load_model(q, "cpu", torch.float16)
+
+
+def test_float16_checkpoints_are_converted_with_a_line_saying_so(tmp_path, capsys):
+    p = write_tiny_checkpoint(tmp_path, tokenizer=False)
+    ref = load_model(p, "cpu", torch.float32)
+    _rewrite(p, lambda t: t.update({k: v.half() for k, v in t.items()}))
+    model = load_model(p, "cpu", torch.float32)
+    err = capsys.readouterr().err
+    assert err.count("float16; converting them to float32") == 1
+    assert model.embed.dtype == torch.float32
+    assert torch.equal(model.embed, ref.embed.half().float())

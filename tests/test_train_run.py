@@ -132,7 +132,7 @@ def test_tiny_training_run_lowers_loss_and_loads(tmp_path):
 def test_task_mix_overrides_weights_and_rejects_bad_input():
     w = task_weights("retrieval_short=0.5,arith=0")
     assert w["retrieval_short"] == 0.5 and w["arith"] == 0.0 and w["yesno"] == data.TASK_WEIGHTS["yesno"]
-    rows = bucket_rows(64, task_weights("tool_call=0,tool_answer=0"))
+    rows = bucket_rows(64, task_weights("tool_call=0,tool_answer=0,tool_answer_json=0"))
     assert sum(rows) == 64 and rows[2] == 0  # an empty bucket gets no rows, not one
     for bad, msg in (("foo=1", "unknown task"), ("arith", "not task=weight"), ("arith=-1", "negative")):
         with pytest.raises(ValueError, match=msg):

@@ -18,7 +18,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Conversation:
-    """Invariant: `log` holds exactly the tokens whose K/V are in `kv` (len(log) == kv.length)."""
+    """A KV cache and the tokens it holds (`log`, kept by the prefill: len(log) == kv.length)."""
 
     def __init__(self, engine: Engine, max_tokens: int | None = None, rewind_slack: int = REWIND_SLACK):
         self.engine = engine
@@ -26,7 +26,10 @@ class Conversation:
         self.kv = engine.model.new_cache(
             max_tokens, ring_size=ring_slots(engine.config, max_tokens, rewind_slack)
         )
-        self.log: list[int] = []
+
+    @property
+    def log(self) -> list[int]:
+        return self.kv.tokens
 
     @property
     def max_tokens(self) -> int:
@@ -34,7 +37,6 @@ class Conversation:
 
     def reset(self) -> None:
         self.kv.reset()
-        self.log = []
 
     def sync(self, ids: list[int]) -> int:
         """Cut the cache back to its longest common prefix with `ids`; returns how many tokens are reused.
@@ -42,11 +44,10 @@ class Conversation:
         n = common_prefix(self.log, ids)
         if n < len(self.log):
             if self.kv.can_truncate(n):
-                self.kv.truncate(n)
+                self.engine.model.rewind(self.kv, n)
             else:
                 self.kv.reset()
                 n = 0
-            self.log = self.log[:n]
         return n
 
     def generate(self, ids: list[int], **kwargs: Any) -> GenerateOutput:
@@ -57,8 +58,7 @@ class Conversation:
         try:
             out = self.engine.generate(ids[reused:], kv=self.kv, **kwargs)
         except BaseException:
-            self.reset()  # never leave the log and the cache disagreeing
+            self.reset()  # never leave a half-written cache behind
             raise
-        self.log = list(ids) + out.token_ids[: out.cached_tokens]
         out.reused_tokens = reused
         return out

@@ -439,3 +439,18 @@ def test_random_conversations_match_oracle(messages, tools, add_generation_promp
         "enable_thinking": enable_thinking,
     }
     assert render_gemma4(messages, **kwargs) == oracle(messages, **kwargs)
+
+
+@needs_oracle
+def test_json_string_tool_result_renders_as_the_template_renders_it() -> None:
+    """The standard OpenAI form of a tool result (content a JSON string) renders as the official template does:
+    as a string value."""
+    content = json.dumps({"conditions": "sunny", "temperature": 21})
+    msgs = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "tool_calls": [CALL_WEATHER]},
+        {"role": "tool", "tool_call_id": "call_1", "content": content},
+    ]
+    got = render_gemma4(msgs)
+    assert got == oracle(msgs)
+    assert f'<|tool_response>response:get_weather{{value:<|"|>{content}<|"|>}}<tool_response|>' in got

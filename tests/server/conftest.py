@@ -27,7 +27,9 @@ MODEL = "tiny-diffgemma"
 class ServerThread:
     def __init__(self, app: Any) -> None:
         self.app = app
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP, so that asyncio sets TCP_NODELAY on its connections (else each keep-alive request of a
+        # test waits ~40 ms for a delayed ACK)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self.base = f"http://127.0.0.1:{self.port}"
@@ -47,6 +49,14 @@ class ServerThread:
         self.server.should_exit = True
         self._thread.join(10)
         self._sock.close()
+
+    def check_registry(self, timeout: float = 10) -> None:
+        """Once the engine worker is idle (a reply's turn is finalized after the reply is sent), check every cached
+        conversation's invariant."""
+        deadline = time.monotonic() + timeout
+        while self.app.state.worker.depth and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.app.state.registry.check()
 
     def client(self, **kwargs: Any) -> OpenAI:
         kwargs.setdefault("api_key", "unused")
@@ -131,7 +141,9 @@ def renders(engine, monkeypatch) -> list[dict[str, Any]]:
     real = tok.encode_chat
 
     def spy(messages, tools=None, add_generation_prompt=True, enable_thinking=False):
-        options = dict(tools=tools, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking)
+        options = dict(
+            tools=tools, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
+        )
         seen.append(dict(text=tok.render(messages, **options), messages=messages, **options))
         return real(messages, **options)
 

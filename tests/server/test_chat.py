@@ -76,7 +76,7 @@ def test_second_turn_reuses_kv(server, client) -> None:
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached > first.usage.prompt_tokens  # the whole first turn, reply included
     assert cached < second.usage.prompt_tokens
-    server.app.state.registry.check()
+    server.check_registry()
 
 
 def test_raw_completion(client) -> None:
@@ -100,8 +100,8 @@ def test_eight_concurrent_clients(server, client) -> None:
     with ThreadPoolExecutor(8) as pool:
         reasons = list(pool.map(ask, range(8)))
     assert len(reasons) == 8 and all(r in ("stop", "length") for r in reasons)
+    server.check_registry()
     registry = server.app.state.registry
-    registry.check()
     assert len(registry) <= registry.max_conversations
 
 
@@ -127,7 +127,7 @@ def test_cancel_mid_stream_then_correct_request(server, client, engine, monkeypa
         assert time.monotonic() < deadline, "the generation was not cancelled"
         time.sleep(0.05)
     assert metric(server, "diffgemma_generated_tokens_total") - generated < 900
-    server.app.state.registry.check()
+    server.check_registry()
     monkeypatch.setattr(engine.model, "denoise", real_denoise)
     after = client.chat.completions.create(model=MODEL, messages=prompt, max_tokens=40, seed=5)
     assert after.choices[0].message.content == reference.choices[0].message.content

@@ -65,7 +65,7 @@ def test_tool_call_round_trip(server, client, script, renders) -> None:
         server.app.state.registry.engine.tokenizer.encode(expected.split("response:get_weather")[0])
     )
     assert s.prompts[1] == server.app.state.registry.engine.tokenizer.encode(expected)[cached:]
-    server.app.state.registry.check()
+    server.check_registry()
 
 
 def test_tool_call_streaming(client, script) -> None:
@@ -177,4 +177,4 @@ def test_json_object_retries_with_a_new_seed(server, client, script) -> None:
             response_format={"type": "json_object"},
         )
     assert err.value.body["code"] == "invalid_model_output" and "3 attempts" in err.value.body["message"]
-    server.app.state.registry.check()
+    server.check_registry()

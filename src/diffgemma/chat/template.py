@@ -108,7 +108,7 @@ def _format_declaration(tool: Mapping[str, Any]) -> str:
     return (out + "}").strip()
 
 
-def _strip_thinking(text: str) -> str:
+def strip_thinking(text: str) -> str:
     """Drop every `<|channel>...<channel|>` span (reasoning never re-enters the prompt)."""
     out = []
     for part in text.split("<channel|>"):
@@ -169,7 +169,7 @@ class _State:
 
 def _content(message: Mapping[str, Any], role: str, state: _State) -> str:
     content = message.get("content")
-    clean = _strip_thinking if role == "model" else str.strip
+    clean = strip_thinking if role == "model" else str.strip
     if isinstance(content, str):
         return clean(content)
     if not _is_sequence(content):

@@ -15,7 +15,7 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
-from diffgemma.chat.template import check_roles, normalize_messages, render_gemma4
+from diffgemma.chat.template import check_roles, normalize_messages, render_gemma4, strip_thinking
 
 # The turn-closing and tool-response tokens stop a Gemma 4 reply; used when generation_config has no list.
 _DEFAULT_STOP_TOKENS = ("<turn|>", "<|tool_response>")
@@ -204,7 +204,8 @@ class ChatTokenizer:
         messages and tools (content, tool results, names, arguments, schemas) is tokenized as plain text even
         where it spells a control token. The ids equal `encode(render(...))` whenever it spells none."""
         check_roles(messages)
-        messages = normalize_messages(messages)
+        # The template drops thought channels from earlier model turns; spelled in their text, they go first.
+        messages = [_without_thoughts(m) for m in normalize_messages(messages)]
         found: set[str] = set()
         chars: set[str] = set()
         _scan([messages, tools], self._special_re, found, chars)
@@ -273,6 +274,24 @@ class ChatTokenizer:
             bos_token=self.bos_token,
             eos_token=self.eos_token,
         )
+
+
+def _without_thoughts(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message with every `<|channel>...<channel|>` span cut from its text, as the template cuts it."""
+    content = message.get("content")
+    if message.get("role") != "assistant" or content is None:
+        return message
+    if isinstance(content, str):
+        return {**message, "content": strip_thinking(content)}
+    if isinstance(content, list):
+        parts = [
+            {**p, "text": strip_thinking(p["text"])}
+            if isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            else p
+            for p in content
+        ]
+        return {**message, "content": parts}
+    return message
 
 
 def _scan(value: Any, pattern: re.Pattern[str] | None, found: set[str], chars: set[str]) -> None:

@@ -56,7 +56,8 @@ class KVCache:
     `ring_size` positions kept in all let `truncate` rewind without a re-prefill. A full layer keeps a linear
     buffer of `max_tokens` slots. Both have room for a canvas right after the span a denoise step reads, where
     `read_with` puts the canvas's K/V: those slots hold no position a read (or a rewind) can reach, and the
-    next prefill overwrites them. `length` is the number of cached positions.
+    next prefill overwrites them. `length` is the number of cached positions; `tokens` their ids, kept by
+    `DiffusionGemma.prefill` (the aligned prefill recomputes the partial last chunk from them).
     """
 
     def __init__(
@@ -78,6 +79,7 @@ class KVCache:
             raise ValueError(f"ring_size {self.ring_size} is smaller than the window - 1 ({self.window - 1})")
         self.period, self.mirror = _geometry(cfg, max_tokens, self.ring_size)
         self.length = 0
+        self.tokens: list[int] = []  # the ids at positions 0 .. length - 1, when the prefill wrote them
         # Oldest position every ring still holds: a write ending at e may overwrite any position < e - ring_size,
         # and a rewind does not bring those back (so length - ring_size alone says too much after a truncate).
         self.oldest = 0
@@ -203,10 +205,16 @@ class KVCache:
                 f"positions {max(0, pos - self.window + 1)}..{pos - 1}; re-prefill instead"
             )
         self.length = pos
+        del self.tokens[pos:]
 
     def reset(self) -> None:
         self.length = 0
         self.oldest = 0
+        self.tokens = []
+
+    def knows_tokens(self) -> bool:
+        """Whether `tokens` holds the id of every cached position (false for K/V written some other way)."""
+        return len(self.tokens) == self.length
 
     def fingerprint(self) -> str:
         """SHA-256 of the live K/V of every layer in position order (what attention can still read)."""

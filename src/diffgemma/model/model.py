@@ -210,13 +210,25 @@ class DiffusionGemma(nn.Module):
         """Causally encode ids [1, T] at positions kv.length.. and extend the cache by T, `chunk` tokens a pass.
 
         `compute_dtype` (e.g. fp32 for short prompts, seed §3) runs activations in that dtype; the cache keeps its own.
+        The reference path (`_prefill_aligned`) gives every position the same K/V however the tokens were split
+        into prefills; the fast path chunks for speed.
         """
+        new = ids.reshape(-1).tolist()
         ids = self._check_ids(ids)
         if kv.length + ids.shape[1] > kv.max_tokens:
             raise ValueError(
                 f"prompt does not fit: {kv.length} cached + {ids.shape[1]} new > {kv.max_tokens}"
             )
-        t, dtype = ids.shape[1], compute_dtype or self.dtype
+        known = kv.knows_tokens()
+        self._prefill_routed(ids, kv, chunk, compute_dtype or self.dtype)
+        if known:
+            kv.tokens.extend(new)
+
+    def _prefill_routed(self, ids: torch.Tensor, kv: KVCache, chunk: int, dtype: torch.dtype) -> None:
+        t = ids.shape[1]
+        if not self.is_fast:
+            self._prefill_aligned(ids[0], kv, dtype)
+            return
         if (
             kv.length == 0
             and 0 < t <= min(chunk, PREFILL_GRAPH_MAX)
@@ -231,6 +243,35 @@ class DiffusionGemma(nn.Module):
         for s in range(0, t, chunk):
             part = ids[:, s : s + chunk]
             self._encode(part[0], kv, dtype)
+
+    @torch.no_grad()
+    def rewind(self, kv: KVCache, pos: int) -> None:
+        """Drop every position >= pos (`KVCache.truncate`); on the reference path, then encode the chunk that now
+        ends the cache again from its own tokens, so that the cache holds what a prefill of its tokens from
+        empty would (`_prefill_aligned`): a rewind restores the K/V bytes of the shorter cache exactly."""
+        kv.truncate(pos)
+        redo = pos % self.cfg.canvas_length
+        if self.is_fast or not redo or not kv.knows_tokens() or not kv.can_truncate(pos - redo):
+            return
+        tokens = kv.tokens[pos - redo :]
+        kv.truncate(pos - redo)
+        self.prefill(torch.tensor([tokens]), kv)
+
+    def _prefill_aligned(self, ids: torch.Tensor, kv: KVCache, dtype: torch.dtype) -> None:
+        """ids [T] after the cache in chunks of one canvas at fixed absolute positions (0, C, 2C, ...), each padded
+        to C rows: a cache that ends inside a chunk has that chunk's cached part encoded again with the new
+        tokens. Every chunk is then the same computation whatever came before it, so a conversation's K/V, and its
+        answers, do not depend on how its turns were prefilled or what the cache held (CPU fp32: bit for bit).
+        The pad rows come after every real one (causal: no real row sees them) and write nothing."""
+        c, start = self.cfg.canvas_length, kv.length
+        redo = start % c
+        if redo and kv.knows_tokens() and kv.can_truncate(start - redo):
+            ids = torch.cat([torch.tensor(kv.tokens[start - redo : start], device=ids.device), ids])
+            kv.length = start - redo  # re-encoded below, to the same length and tokens
+        pad = self.cfg.pad_token_id or 0
+        for s in range(0, ids.shape[0], c):
+            part = ids[s : s + c]
+            self._encode(F.pad(part, (0, c - part.shape[0]), value=pad), kv, dtype, valid=part.shape[0])
 
     def _prefill_padded(self, ids: torch.Tensor, kv: KVCache) -> None:
         """ids [T] into the empty cache `kv`, encoded padded with pad tokens to a multiple of
@@ -515,9 +556,11 @@ class DiffusionGemma(nn.Module):
         h = h + self._ffn(layer, h)
         return h * scalar.to(h.dtype)
 
-    def _encode(self, ids: torch.Tensor, kv: KVCache, dtype: torch.dtype) -> None:
-        """Causal pass over ids [T] at kv.length..; no pre-layer norm on the encoder input (seed §2)."""
+    def _encode(self, ids: torch.Tensor, kv: KVCache, dtype: torch.dtype, valid: int | None = None) -> None:
+        """Causal pass over ids [T] at kv.length..; no pre-layer norm on the encoder input (seed §2). `valid`: on
+        the reference path, how many rows are real (the rest is padding, whose K/V are not written)."""
         start, t = kv.length, ids.shape[0]
+        n = t if valid is None else valid
         positions = torch.arange(start, start + t, device=self.device)
         h = self._embed_tokens(ids).to(dtype)
         fast = self.is_fast
@@ -542,12 +585,12 @@ class DiffusionGemma(nn.Module):
                 mask = key_pos[None, :] <= positions[:, None]
                 if layer.sliding:
                     mask &= key_pos[None, :] > positions[:, None] - self.cfg.sliding_window
-                kv.write(layer.idx, start, torch.cat([k, v]))
+                kv.write(layer.idx, start, torch.cat([k, v])[:, :, :n])
                 out = ops.attention(q, keys, vals, mask)
                 return ops.rows(out)
 
             h = self._layer(layer, h, attend, layer.encoder_layer_scalar)
-        kv.length = start + t
+        kv.length = start + n
 
     def _window_bias(self, kv: KVCache, t: int, dtype: torch.dtype) -> torch.Tensor | None:
         """The sliding layers' attention mask for a prefill chunk of t tokens after the cache (`window_bias`):

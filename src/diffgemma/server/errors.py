@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 
 class APIError(Exception):
@@ -28,8 +29,10 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        # Whatever text the message quotes, the body is valid UTF-8 JSON (a lone surrogate as its \\u escape).
+        text = json.dumps(self.body(), ensure_ascii=False).encode("utf-8", "backslashreplace")
+        return Response(text, status_code=self.status, headers=self.headers, media_type="application/json")
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:

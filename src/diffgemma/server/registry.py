@@ -60,8 +60,9 @@ class Registry:
         return conv
 
     def route(self, ids: list[int]) -> Conversation:
-        """The conversation to run `ids` on. A request that extends a log continues it; one that diverges
-        from a log gets a copy of the shared prefix, so the other branch stays cached for its own client."""
+        """The conversation to run `ids` on. A request that extends a log, or repeats a prefix of it, continues it;
+        one that diverges from a log gets a copy of the shared prefix, so the other branch stays cached for its own
+        client."""
         best, shared = None, 0
         for conv in sorted(self.conversations, key=lambda c: -self._used[id(c)]):
             n = common_prefix(conv.log, ids)
@@ -69,13 +70,14 @@ class Registry:
                 best, shared = conv, n
         if best is None:
             return self._touch(self._blank())
-        if shared == len(best.log) or self.max_conversations == 1:
+        # It extends the log, or repeats a prefix of it (a retried turn, an identical request): its own cache.
+        if shared in (len(best.log), len(ids)) or self.max_conversations == 1:
             return self._touch(best)
         if shared < MIN_FORK_TOKENS or not best.kv.can_truncate(shared):
             return self._touch(self._blank(keep=best))
         fork = self._blank(keep=best)
         copy_prefix(best.kv, fork.kv, shared)
-        fork.log = best.log[:shared]
+        self.engine.model.rewind(fork.kv, shared)  # the copy's last chunk as a prefill of its own tokens
         return self._touch(fork)
 
     def generate(self, ids: list[int], **kwargs: Any) -> tuple[GenerateOutput, Conversation]:
@@ -94,9 +96,8 @@ class Registry:
         try:
             prefill(self.engine, rest, conv.kv)
         except BaseException:
-            conv.reset()  # never leave the log and the cache disagreeing
+            conv.reset()  # never leave a half-written cache behind
             raise
-        conv.log = list(ids)
 
     def check(self) -> None:
         """The invariant every conversation keeps (tests call this)."""
@@ -112,7 +113,8 @@ def prefill(engine: Engine, ids: list[int], kv: KVCache) -> None:
 
 
 def copy_prefix(src: KVCache, dst: KVCache, n: int) -> None:
-    """Make `dst` hold the first `n` positions of `src` (same geometry; `src.can_truncate(n)`)."""
+    """Make `dst` hold the K/V of the first `n` positions of `src` (same geometry; `src.can_truncate(n)`), as
+    `KVCache.truncate` leaves them."""
     for layer in range(len(src.k)):
         if src.cfg.is_sliding(layer):  # a ring: copy it whole, the slots of positions < n are valid
             dst.k[layer].copy_(src.k[layer])
@@ -121,4 +123,5 @@ def copy_prefix(src: KVCache, dst: KVCache, n: int) -> None:
             dst.k[layer][:, :, :n].copy_(src.k[layer][:, :, :n])
             dst.v[layer][:, :, :n].copy_(src.v[layer][:, :, :n])
     dst.length, dst.oldest = src.length, src.oldest  # oldest: what the copied rings still hold
+    dst.tokens = list(src.tokens)
     dst.truncate(n)

@@ -86,7 +86,10 @@ def _check_tree(body: dict[str, Any]) -> None:
             _check_text(value, where)
         elif isinstance(value, dict):
             for key, item in value.items():
-                path = f"{where}.{key}" if where else str(key)
+                name = key.encode(
+                    "utf-8", "backslashreplace"
+                ).decode()  # printable even when it is not Unicode
+                path = f"{where}.{name}" if where else name
                 _check_text(key, path)
                 todo.append((item, path, depth + 1))
         elif isinstance(value, list):

@@ -8,6 +8,7 @@ Seven tasks, each rendered with `render_gemma4` (prompt) plus the exact reply te
     long         "Count from 37 to 55."                  -> "37, 38, ..., 55<turn|>" (2-4 canvas blocks)
     tool_call    a request that needs one of the declared tools -> '<|tool_call>call:NAME{...}<tool_call|><|tool_response>'
     tool_answer  the same after the tool result          -> a sentence built from the result + "<turn|>"
+    tool_answer_json  the same, the result sent as OpenAI clients send it: a JSON string answering a call id
     think        thinking on: "Which number is larger, 37 or 52?" -> "<|channel>thought\\n...\\n<channel|>52 is larger.<turn|>"
     yesno        parity / comparison / category questions -> "Yes<turn|>" or "No<turn|>"
 
@@ -28,7 +29,7 @@ from typing import Any
 from diffgemma.chat.template import render_gemma4
 from diffgemma.chat.toolcall import format_call
 
-TASKS = ("arith", "retrieval", "long", "tool_call", "tool_answer", "think", "yesno")
+TASKS = ("arith", "retrieval", "long", "tool_call", "tool_answer", "tool_answer_json", "think", "yesno")
 # Share of each task in a training batch. The two hard targets (arithmetic, retrieval) get most of it: runs
 # with arith 0.28 / tool_call 0.16 reached 100% on tool calls and answers but 50% on arithmetic. Arithmetic
 # prompts are also the cheapest (~26 tokens against ~250 for retrieval and tool prompts).
@@ -40,7 +41,8 @@ TASK_WEIGHTS = {
     "retrieval_short": 0.12,
     "long": 0.04,
     "tool_call": 0.07,
-    "tool_answer": 0.04,
+    "tool_answer": 0.03,
+    "tool_answer_json": 0.03,
     "think": 0.05,
     "yesno": 0.07,
 }
@@ -388,7 +390,9 @@ def _tool_call(rng: random.Random) -> Example:
     return Example("tool_call", prompt, target, prompt, {"name": name, "arguments": args})
 
 
-def _tool_answer(rng: random.Random) -> Example:
+def _tool_answer(rng: random.Random, as_json: bool = False) -> Example:
+    """A reply to a tool's result: as a mapping (Gemma's native form), or `as_json` as OpenAI clients send it,
+    `content` a JSON string in a tool message that answers the call's id (rendered as a string value)."""
     while True:
         user, name, args = _tool_request(rng)
         if name != "search_web":
@@ -405,15 +409,15 @@ def _tool_answer(rng: random.Random) -> Example:
         result = {"status": "started"}
         answer = f"Your {args['minutes']} minute timer for {args['label']} is running."
     tools = _tools(rng, name)
-    msgs = _messages(rng, user) + [
-        {
-            "role": "assistant",
-            "tool_calls": [{"type": "function", "function": {"name": name, "arguments": args}}],
-        },
-        {"role": "tool", "name": name, "content": result},
-    ]
+    call: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": args}}
+    reply: dict[str, Any] = {"role": "tool", "name": name, "content": result}
+    if as_json:
+        call["id"] = f"call_{rng.getrandbits(48):012x}"
+        reply = {"role": "tool", "tool_call_id": call["id"], "content": json.dumps(result)}
+    msgs = _messages(rng, user) + [{"role": "assistant", "tool_calls": [call]}, reply]
     prompt = render_gemma4(msgs, tools=tools)
-    return Example("tool_answer", prompt, answer + TURN_END, prompt, {"name": name})
+    task = "tool_answer_json" if as_json else "tool_answer"
+    return Example(task, prompt, answer + TURN_END, prompt, {"name": name})
 
 
 def _think(rng: random.Random) -> Example:
@@ -455,6 +459,7 @@ MAKERS = {
     "long": _long,
     "tool_call": _tool_call,
     "tool_answer": _tool_answer,
+    "tool_answer_json": partial(_tool_answer, as_json=True),
     "think": _think,
     "yesno": _yesno,
 }

@@ -148,7 +148,7 @@ def model_config(cfg: TrainConfig, vocab: int) -> dict[str, Any]:
 BUCKETS: tuple[tuple[tuple[str, ...], int], ...] = (
     (("arith", "think", "yesno", "long"), 160),
     (("retrieval", "retrieval_short"), 320),
-    (("tool_call", "tool_answer"), 416),
+    (("tool_call", "tool_answer", "tool_answer_json"), 416),
 )
 
 

@@ -118,21 +118,22 @@ def load_weights(
             except (SafetensorError, OSError, ValueError, RuntimeError) as e:
                 raise CheckpointError(f"tensor {name}: corrupt data in {files[name].name} ({e})") from None
 
-        converted: set[torch.dtype] = set()
+        target = str(dtype).removeprefix("torch.")
+        said: set[torch.dtype] = set()
 
         def land(name: str, t: torch.Tensor) -> torch.Tensor:
             """`t` on the device in the model's dtype, refused unless floating-point and finite."""
             if not t.dtype.is_floating_point:
                 raise CheckpointError(f"tensor {name} is {t.dtype}, not a floating-point type")
-            if t.dtype != dtype and t.dtype == torch.float16 and t.dtype not in converted:
-                converted.add(t.dtype)
+            if t.dtype == torch.float16 != dtype and not said:
+                said.add(t.dtype)
                 print(
-                    f"diffgemma: the checkpoint's weights are float16; converting them to {dtype}",
+                    f"diffgemma: the checkpoint's weights are float16; converting them to {target}",
                     file=sys.stderr,
                 )
             out = t.to(device=device, dtype=dtype)
             if not bool(torch.isfinite(out).all()):
-                cast = f" once cast to {dtype}" if t.dtype != dtype and bool(torch.isfinite(t).all()) else ""
+                cast = f" once cast to {target}" if t.dtype != dtype and bool(torch.isfinite(t).all()) else ""
                 raise CheckpointError(f"tensor {name} holds NaN or infinite values{cast}")
             return out
 
