@@ -109,3 +109,27 @@ def test_cli_ask_runs_the_bundled_model_when_no_other_is_found(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "17 + 25 = 42", proc.stdout
     assert f"model {DEMO}" in proc.stderr and "[stop]" in proc.stderr, proc.stderr
+
+
+def test_demo_answers_a_tool_result_sent_as_openai_clients_send_it(demo):
+    """A tool message whose content is a JSON string, answering the call's id: the form of every OpenAI client."""
+    import json
+
+    engine, _ = demo
+    call = {
+        "id": "call_7",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+    }
+    messages = [
+        {"role": "user", "content": "What's the weather like in Oslo?"},
+        {"role": "assistant", "tool_calls": [call]},
+        {
+            "role": "tool",
+            "tool_call_id": "call_7",
+            "content": json.dumps({"conditions": "foggy", "temperature": 4}),
+        },
+    ]
+    tools = [t for t in data.TOOLS if t["function"]["name"] in ("get_weather", "set_timer")]
+    out = engine.generate(messages, tools=tools, max_new_tokens=64, seed=0)
+    assert out.text == "It is foggy and 4 degrees in Oslo." and out.stop_token == 106, out.text
