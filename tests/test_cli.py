@@ -123,7 +123,7 @@ def test_errors_are_one_line_and_nonzero(model, tmp_path):
 
     proc = run("ask", "-m", str(model), "-p", "hi", "--threads", "0")
     assert proc.returncode == 1 and error_lines(proc) == [
-        "diffgemma: error: threads must be at least 1, got 0"
+        "diffgemma: error: runtime config: threads must be at least 1, got 0"
     ]
 
     proc = run("prompt", "-m", str(model), stdin="{oops")
@@ -141,7 +141,7 @@ def test_usage_errors_are_one_line_too(model):
         (("ask", "--bogus"), "No such option: --bogus"),
         (("nosuch",), "No such command 'nosuch'."),
         (("bench", "--reps", "3"), "--reps must be at least 10, got 3"),
-        (("eval",), "the following arguments are required: -m/--model"),
+        (("eval",), "Missing option '-m' / '--model'."),
     ):
         proc = run(*args)
         lines = error_lines(proc)

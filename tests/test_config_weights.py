@@ -9,7 +9,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import diffgemma
-from diffgemma.config import ConfigError, ModelConfig, SamplerConfig, env_overrides, load_sampler_config
+from diffgemma.config import (
+    ConfigError,
+    ModelConfig,
+    SamplerConfig,
+    env_overrides,
+    load_runtime_config,
+    load_sampler_config,
+)
 from diffgemma.testing import write_tiny_checkpoint
 from diffgemma.weights.loader import CheckpointError, load_model
 
@@ -48,14 +55,27 @@ def test_reference_switches_every_divergence_off():
 
 
 def test_env_overrides_parse_and_reject(tmp_path):
-    assert env_overrides({"DIFFGEMMA_ENTROPY_BOUND": "0.2", "DIFFGEMMA_PAD_GATE": "off", "OTHER": "x"}) == {
-        "entropy_bound": 0.2,
-        "pad_gate": False,
+    env = {
+        "DIFFGEMMA_ENTROPY_BOUND": "0.2",
+        "DIFFGEMMA_PAD_GATE": "off",
+        "OTHER": "x",
+        "DIFFGEMMA_GRAPHS": "0",
     }
+    assert env_overrides("sampler", env) == {"entropy_bound": 0.2, "pad_gate": False}
+    assert env_overrides("runtime", env) == {"graphs": False}
+    runtime = load_runtime_config({"DIFFGEMMA_DEVICE": "cpu", "DIFFGEMMA_THREADS": "2"}, dtype="float64")
+    assert (runtime.device, runtime.threads, runtime.dtype, runtime.kernels) == ("cpu", 2, "float64", "auto")
     with pytest.raises(ConfigError, match="DIFFGEMMA_MAX_DENOISING_STEPS"):
-        env_overrides({"DIFFGEMMA_MAX_DENOISING_STEPS": "many"})
-    with pytest.raises(ConfigError, match="unknown environment variable DIFFGEMMA_ENTROPY_BOUNDS"):
-        env_overrides({"DIFFGEMMA_ENTROPY_BOUNDS": "0.2"})
+        env_overrides("sampler", {"DIFFGEMMA_MAX_DENOISING_STEPS": "many"})
+    for name in (
+        "DIFFGEMMA_ENTROPY_BOUNDS",
+        "DIFFGEMMA_MODEL",
+        "DIFFGEMMA_HOME",
+    ):  # every name is read or refused
+        with pytest.raises(ConfigError, match=f"unknown environment variable {name}"):
+            env_overrides("runtime", {name: "x"})
+    with pytest.raises(ConfigError, match="kernels must be one of"):
+        load_runtime_config({"DIFFGEMMA_KERNELS": "triton"})
     with pytest.raises(ConfigError, match="t_min"):
         load_sampler_config(write_tiny_checkpoint(tmp_path, tokenizer=False), {"DIFFGEMMA_T_MIN": "0.9"})
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from diffgemma.runner.runner import ModelRunner
 from diffgemma.weights.loader import load_model
 
 
 @torch.no_grad()
 def test_rewind_and_regenerate_restores_kv_bytes_across_the_ring_wrap(tiny_a):
-    model = load_model(tiny_a, "cpu", torch.float32)
+    model = ModelRunner(load_model(tiny_a, "cpu", torch.float32))  # the reference kernels' aligned prefill
     kv = model.new_cache(512, ring_size=32)  # window 8, period 48: a ring that wraps twice below
     g = torch.Generator().manual_seed(0)
     a = torch.randint(0, 1000, (1, 100), generator=g)

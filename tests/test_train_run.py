@@ -144,20 +144,24 @@ def test_task_mix_overrides_weights_and_rejects_bad_input():
     assert short.task == "retrieval" and 2 <= short.meta["n"] <= 16
 
 
-def test_train_cli_rejects_bad_options_in_one_line(tmp_path, capsys):
-    from diffgemma.train.cli import train_main
+def test_train_cli_rejects_bad_options_in_one_line(tmp_path):
+    import subprocess
+    import sys
 
     for args, msg in (
         (["--curriculum-steps", "-1"], "--curriculum-steps must be >= 0, got -1"),
         (["--mix", "foo=1"], "unknown task 'foo'"),
         (["--lookup-weight", "-1"], "--lookup-weight must be >= 0, got -1.0"),
-        (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
+        (["--steps", "abc"], "Invalid value for '--steps'"),
+        (["--preset", "huge"], "--preset must be one of demo, tiny, got 'huge'"),
     ):
-        with pytest.raises(SystemExit) as e:
-            train_main(["--out", str(tmp_path / "o"), *args])
-        assert e.value.code == 2
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and msg in err  # one line, not argparse's usage block
+        proc = subprocess.run(
+            [sys.executable, "-m", "diffgemma.cli", "train", "--out", str(tmp_path / "o"), *args],
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count("\n") == 1 and msg in proc.stderr, proc.stderr  # one line, not a usage block
     assert not (tmp_path / "o").exists()  # nothing was written
 
 

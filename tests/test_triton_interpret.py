@@ -28,7 +28,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _check_moe() -> None:
     """Runs in the subprocess. Expert 0 gets no pair, expert 1 one pair per row (40: several M-tiles and,
     with m_slots=2, several per slot), experts 2-5 the rest; x is a strided view."""
-    from diffgemma.kernels import cuda
+    from diffgemma.kernels import library as cuda
     from diffgemma.kernels import torch_ref as ref
     from diffgemma.kernels import triton_moe as tm
 
@@ -94,7 +94,7 @@ def _check_softmax() -> None:
     """exp_rows: p / sums is the softmax (and p is 0 past a row's limit) for rows longer than one block and not a
     multiple of it, a wide range of scores, fp32 and bf16 out, causal limits and a device-side count of valid
     columns; divide_rows into o_proj's rows."""
-    from diffgemma.kernels import cuda
+    from diffgemma.kernels import library as cuda
     from diffgemma.kernels import triton_softmax as ts
 
     def check(x, causal=None, n_valid=None, dtype=torch.float32, tol=1e-6, tail=None):
@@ -247,7 +247,7 @@ def check_norm_rope(dtype: torch.dtype, device: str, t: int, tol: float, min_exa
     RoPE; full: V = raw K, proportional RoPE), into a new tensor and into a strided view (the cache's canvas
     slots). tol: max abs difference over the output's max abs; min_exact: the share of elements that must
     equal the eager ones bit for bit (also run by tests/gpu)."""
-    from diffgemma.kernels import fused
+    from diffgemma.kernels import regions as fused
     from diffgemma.kernels import torch_ref as ref
     from diffgemma.kernels import triton_qkv as tq
 
@@ -301,7 +301,7 @@ def _check_qkv() -> None:
 def _check_combine() -> None:
     """`triton_combine.post_ffn` against the eager `fused.post_ffn`, with and without the next layer's norm; H
     not a power of two. fp16: the interpreter rounds it as the GPU does, so the roundings are compared too."""
-    from diffgemma.kernels import fused
+    from diffgemma.kernels import regions as fused
     from diffgemma.kernels import triton_combine as tc
 
     g = torch.Generator().manual_seed(5)
@@ -372,7 +372,7 @@ def check_row_stats(logits: torch.Tensor, temp: float) -> None:
             assert got_p is None
         else:  # another compiled variant: p within fp32 ulps of the first call's, as of torch's above
             torch.testing.assert_close(got_p, want_p, rtol=2e-5, atol=1e-12)
-    if S.fast_ops.triton_sampler_for(logits) is None:
+    if not (logits.is_cuda and S.triton_rows(logits)):
         return
     stats = S.row_stats(logits, temp, sc_sparse=True)  # the sampler's dispatch takes the kernel
     assert (
@@ -401,7 +401,7 @@ def check_row_stats_softcap(raw: torch.Tensor, temp: float) -> None:
     both = (out.float() > 0) & (w_sc > 0)
     ulps = (out[both].view(torch.int16).int() - w_sc[both].to(torch.bfloat16).view(torch.int16).int()).abs()
     assert int(both.sum()) > 0 and int(ulps.max()) <= 1
-    dispatched = S.fast_ops.triton_sampler_for(raw, softcapped_here=True) is not None
+    dispatched = raw.is_cuda and S.triton_rows(raw, softcapped_here=True)
     if dispatched:  # the sampler's dispatch takes the kernel
         stats = S.row_stats(raw, temp, sc_sparse=True, softcap=cap)
         assert torch.equal(stats.probs, probs) and torch.equal(stats.entropy, entropy)

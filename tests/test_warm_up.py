@@ -1,6 +1,6 @@
-"""`Engine.warm_up`: the fused path compiled before the first request (by `serve`, and by `chat` while the first
-message is typed), with every later request's shapes covered and no reply changed. The fused regions compile
-for the CPU here, as in test_fused_prefill.py; on CUDA the same code also captures graphs (tests/gpu)."""
+"""`Engine.warm_up`: the fast kernels compiled before the first request (by `serve`, and by `chat` while the first
+message is typed), with every later request's shapes covered and no reply changed. The regions compile for the
+CPU here, as in test_fast_kernels.py; on CUDA the same code also captures graphs (tests/gpu)."""
 
 from __future__ import annotations
 
@@ -8,28 +8,40 @@ import torch
 
 import diffgemma
 from diffgemma import cli
+from diffgemma.config import RuntimeConfig
 from diffgemma.session import Conversation
 
-# The regions a reply runs on the CPU's fused path: the prefill's set, and the denoise's (route and gelu_mul are
+# The regions a reply runs on the CPU's fast kernels: the prefill's set, and the denoise's (route and gelu_mul are
 # the fallbacks of Triton kernels that the CPU runs as torch ops outside the regions; the final softcap is the
 # sampler's, on the raw logits).
 DENOISE_REGIONS = ("norm", "qkv_post", "pre_ffn", "dense_mlp", "post_ffn")
 
 
-def _fused(path):
-    eng = diffgemma.load(path, device="cpu", dtype="float32", max_denoising_steps=3)
-    eng.model.fast, eng.model.fuse = True, True
-    return eng
+def _fused(path, compile: bool = True):
+    runtime = RuntimeConfig(kernels="fast", compile=compile)
+    return diffgemma.load(path, device="cpu", dtype="float32", runtime=runtime, max_denoising_steps=3)
 
 
 def _chat() -> None:
     """`diffgemma chat --json` in-process, on whatever `load_engine` and `_read_line` are patched to give."""
-    cli.chat(json_out=True, model=None, seed=1, ctx=2048, max_tokens=8, think=False, device=None, dtype=None)
+    cli.chat(
+        json_out=True,
+        model=None,
+        seed=1,
+        ctx=2048,
+        max_tokens=8,
+        think=False,
+        device=None,
+        dtype=None,
+        threads=None,
+    )
 
 
 def _variants(model) -> dict[str, int]:
-    regions = {f"prefill.{n}": r for n, r in model.prefill_regions.items()}
-    regions.update({f"denoise.{n}": r for n, r in model.fused_regions.items()})
+    if not model.kernels.fast:
+        return {}
+    regions = {f"prefill.{n}": r for n, r in model.kernels.prefill_regions.items()}
+    regions.update({f"denoise.{n}": r for n, r in model.kernels.regions.items()})
     return {name: len(r._seen) for name, r in regions.items()}
 
 
@@ -40,7 +52,7 @@ def test_warm_up_compiles_what_a_reply_needs_and_changes_no_reply(tiny_a):
     seen = _variants(warm.model)
     assert all(seen[f"prefill.{n}"] for n in ("norm", "qkv_post", "pre_ffn", "dense_mlp", "post_ffn")), seen
     assert all(seen[f"denoise.{n}"] for n in DENOISE_REGIONS), seen
-    assert not warm.model._graphs and not warm.model._graph_io
+    assert not len(warm.runner.graphs) and not warm.runner.graphs._io
     assert warm._kv is None  # its caches were its own, not the engine's
 
     # Requests of other lengths (a prompt, then a follow-up turn on the same cache) compile nothing more: a
@@ -52,16 +64,16 @@ def test_warm_up_compiles_what_a_reply_needs_and_changes_no_reply(tiny_a):
         a2 = warm.generate(list(range(60, 70)), max_new_tokens=12, seed=4, kv=kv_warm)
     assert _variants(warm.model) == seen
     assert not any(
-        r.failed for r in [*warm.model.prefill_regions.values(), *warm.model.fused_regions.values()]
+        r.failed for r in [*warm.model.kernels.prefill_regions.values(), *warm.model.kernels.regions.values()]
     )
     b = cold.generate(prompt, max_new_tokens=20, seed=3, kv=kv_cold)
     b2 = cold.generate(list(range(60, 70)), max_new_tokens=12, seed=4, kv=kv_cold)
     assert (a.token_ids, a2.token_ids) == (b.token_ids, b2.token_ids)
 
 
-def test_warm_up_is_a_no_op_off_the_fused_path(tiny_a):
+def test_warm_up_is_a_no_op_on_the_reference_kernels(tiny_a):
     eng = diffgemma.load(tiny_a, device="cpu", dtype="float32")
-    assert not eng.model.is_fused
+    assert not eng.runner.fast
     assert eng.warm_up() == 0.0
     assert not any(_variants(eng.model).values())
 
@@ -136,9 +148,14 @@ def test_serve_warms_up_before_it_listens(tiny_a, monkeypatch):
 
 
 def test_ask_runs_the_regions_eagerly(tiny_a, monkeypatch, capsys):
-    # one short reply: torch.compile would cost more than it saves (`DiffusionGemma.compile_regions`)
-    eng = _fused(tiny_a)
-    monkeypatch.setattr(cli, "load_engine", lambda *a: eng)
+    # one short reply: torch.compile would cost more than it saves (docs/performance.md, "torch.compile and warm-up")
+    asked = {}
+
+    def load_engine(*args, compile=True):
+        asked["compile"] = compile
+        return _fused(tiny_a, compile=compile)
+
+    monkeypatch.setattr(cli, "load_engine", load_engine)
     cli.ask(
         prompt="hello",
         json_out=True,
@@ -150,8 +167,7 @@ def test_ask_runs_the_regions_eagerly(tiny_a, monkeypatch, capsys):
         think=False,
         device=None,
         dtype=None,
+        threads=None,
     )
     assert '"completion_tokens": 8' in capsys.readouterr().out
-    regions = [*eng.model.fused_regions.values(), *eng.model.prefill_regions.values()]
-    assert regions and not any(r.enabled or r._seen for r in regions)
-    assert eng.model.is_fused  # the fused path (and on CUDA its graphs), only without torch.compile
+    assert asked == {"compile": False}  # the fast kernels (and on CUDA their graphs), without torch.compile

@@ -1,4 +1,4 @@
-"""The `diffgemma` command line: ask, chat, prompt, serve, bench, train, eval, download."""
+"""The `diffgemma` command line (typer): ask, chat, prompt, serve, download, bench, train, eval."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 
@@ -34,7 +34,6 @@ THREADS = typer.Option(
 # click's exceptions, wherever this typer takes click from (recent ones vendor it)
 _USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 _NO_ARGS_IS_HELP = getattr(sys.modules[_USAGE_ERROR.__module__], "NoArgsIsHelpError", ())
-PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 
 class CliError(Exception):
@@ -69,12 +68,17 @@ def _stderr(message: str) -> None:
 
 
 def load_engine(
-    model: str | None, device: str | None, dtype: str | None, ctx: int | None, threads: int | None = None
+    model: str | None,
+    device: str | None,
+    dtype: str | None,
+    ctx: int | None,
+    threads: int | None = None,
+    compile: bool = True,
 ):
     """Resolve and load a model, saying on stderr which one, with a spinner while weights load on a TTY.
     The engine's `max_tokens` is the context: --ctx, else CHAT_CONTEXT capped at the model's positions."""
     import diffgemma
-    from diffgemma.config import ModelConfig
+    from diffgemma.config import ModelConfig, load_runtime_config
     from diffgemma.weights.download import resolve_model
 
     if ctx is not None and ctx <= 0:
@@ -82,12 +86,13 @@ def load_engine(
     path = resolve_model(model)
     _stderr(f"model {path}")
     ctx = ModelConfig.from_dir(path).context(ctx, CHAT_CONTEXT)
+    runtime = load_runtime_config(device=device, dtype=dtype, threads=threads).replace(compile=compile)
     if sys.stderr.isatty():
         from rich.console import Console
 
         with Console(stderr=True).status(f"loading {path.name}…"):
-            return diffgemma.load(path, device=device, dtype=dtype, max_tokens=ctx, threads=threads)
-    return diffgemma.load(path, device=device, dtype=dtype, max_tokens=ctx, threads=threads)
+            return diffgemma.load(path, max_tokens=ctx, runtime=runtime)
+    return diffgemma.load(path, max_tokens=ctx, runtime=runtime)
 
 
 class Display:
@@ -253,8 +258,8 @@ def ask(
         text = sys.stdin.read() if prompt == "-" else prompt
         if not text.strip():
             raise CliError("empty prompt", 2)
-        engine = load_engine(model, device, dtype, ctx, threads)
-        engine.model.compile_regions(False)  # one reply: compiling would cost more than it saves
+        # one reply: compiling would cost more than it saves (docs/performance.md, "torch.compile and warm-up")
+        engine = load_engine(model, device, dtype, ctx, threads, compile=False)
         ids = _prompt_ids(engine, text, raw, think)
         out, wall = stream_reply(engine, engine.generate, ids, json_out, max_new_tokens=max_tokens, seed=seed)
         if json_out:
@@ -290,7 +295,7 @@ def chat(
         warm = None
         if tty:
             _stderr(CHAT_HELP)
-            if engine.model.is_fused:  # compile while the first message is typed (piped input would not wait)
+            if engine.runner.fast:  # compile while the first message is typed (piped input would not wait)
                 warm = threading.Thread(target=_warm_up, args=(engine,), name="diffgemma-warm-up")
                 warm.start()
         while True:
@@ -435,41 +440,180 @@ def download(
         print(path)
 
 
-def _passthrough(name: str, target: Callable[[list[str]], int]) -> None:
-    @app.command(name, context_settings=PASSTHROUGH, add_help_option=False)
-    def command(ctx: typer.Context) -> None:
-        raise typer.Exit(target(list(ctx.args)) or 0)
-
-    command.__doc__ = {
-        "bench": "Measure prefill and denoise speed (see `diffgemma bench --help`).",
-        "train": "Train a DiffusionGemma-architecture model (see `diffgemma train --help`).",
-        "eval": "Evaluate a model on held-out synthetic tasks (see `diffgemma eval --help`).",
-    }[name]
+def _usage(ctx: typer.Context, message: str) -> NoReturn:
+    """A bad option value found after parsing: one line and exit 2, as the parsers' own errors."""
+    raise _USAGE_ERROR(message, ctx)
 
 
-def _bench(argv: list[str]) -> int:
-    from diffgemma.bench import main
+@app.command()
+def bench(
+    ctx: typer.Context,
+    model: str | None = typer.Option(
+        None, "-m", "--model", help="Checkpoint directory (default: random weights)."
+    ),
+    tiny: bool = typer.Option(False, "--tiny", help="Random weights at a tiny shape (a CPU smoke test)."),
+    device: str | None = typer.Option(
+        None, "--device", help="cuda or cpu (default: cuda when there is one)."
+    ),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16, float16 or float32."),
+    contexts: str | None = typer.Option(
+        None,
+        "--contexts",
+        help="Comma-separated context lengths (default 1024,8192,32768,131072; --tiny 256,1024).",
+    ),
+    threads: int | None = typer.Option(None, "--threads", help="CPU threads (default: 1 for a small model)."),
+    reps: int = typer.Option(10, "--reps", help="Timed repetitions (median), at least 10."),
+    warmup: int = typer.Option(3, "--warmup", help="Untimed calls first."),
+    prefill_chunk: int = typer.Option(8192, "--prefill-chunk", help="Tokens a fast prefill pass."),
+    gen_steps: int = typer.Option(
+        48, "--gen-steps", help="Fixed denoise steps of the generation (0 = skip)."
+    ),
+    gen_prompt: int = typer.Option(1024, "--gen-prompt", help="Prompt tokens of the generation."),
+    gen_reps: int = typer.Option(10, "--gen-reps", help="Timed generations (median), at least 10."),
+    init: str = typer.Option(
+        "hf", "--init", help="Random weights: transformers' init (hf) or the wide test one."
+    ),
+    kernels: str = typer.Option("auto", "--kernels", help="auto, fast or reference."),
+    compile: bool = typer.Option(
+        True, "--compile/--no-compile", help="torch.compile the fast kernels' regions."
+    ),
+    out: Path | None = typer.Option(None, "--out", help="Write the results as JSON here."),
+) -> None:
+    """Measure prefill and denoise speed, a fixed-step generation and peak memory (`bench/compare_hf.py` runs
+    transformers on the same weights beside it)."""
+    from diffgemma.bench import BenchOptions, run
 
-    return main(argv)
+    opts = BenchOptions(
+        model=model,
+        tiny=tiny,
+        device=device,
+        dtype=dtype,
+        contexts=contexts,
+        threads=threads,
+        reps=reps,
+        warmup=warmup,
+        prefill_chunk=prefill_chunk,
+        gen_steps=gen_steps,
+        gen_prompt=gen_prompt,
+        gen_reps=gen_reps,
+        init=init,
+        kernels=kernels,
+        compile=compile,
+        out=str(out) if out else None,
+    )
+    try:
+        opts.check()
+    except ValueError as e:
+        _usage(ctx, str(e))
+    with one_line_errors():
+        run(opts)
 
 
-def _train(argv: list[str]) -> int:
-    from diffgemma.train.cli import train_main
+@app.command()
+def train(
+    ctx: typer.Context,
+    out: Path = typer.Option(..., "--out", help="Checkpoint directory to write (and resume from)."),
+    steps: int = typer.Option(3000, "--steps"),
+    batch: int = typer.Option(128, "--batch"),
+    lr: float = typer.Option(1.5e-3, "--lr"),
+    warmup: int = typer.Option(150, "--warmup"),
+    weight_decay: float = typer.Option(0.05, "--weight-decay"),
+    resume: bool = typer.Option(False, "--resume", help="Continue from OUT/train_state."),
+    init: str = typer.Option(
+        "", "--init", help="Fine-tune from this checkpoint directory (weights + tokenizer)."
+    ),
+    mix: str = typer.Option("", "--mix", help='Task weights over the default mix, e.g. "arith=0.3,long=0".'),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:1 ..."),
+    seed: int = typer.Option(0, "--seed"),
+    preset: str = typer.Option("demo", "--preset", help="Model shape: demo or tiny."),
+    canvas_length: int = typer.Option(32, "--canvas-length"),
+    max_denoising_steps: int = typer.Option(16, "--max-denoising-steps"),
+    vocab_size: int = typer.Option(4096, "--vocab-size", help="The tokenizer's size cap."),
+    sc_prob: float = typer.Option(0.5, "--sc-prob"),
+    pad_weight: float = typer.Option(0.25, "--pad-weight"),
+    curriculum_steps: int = typer.Option(
+        0,
+        "--curriculum-steps",
+        help="Cap retrieval lists at 2 + step // 400 lines before this step (0 = off).",
+    ),
+    lookup_weight: float = typer.Option(
+        0.0, "--lookup-weight", help="Weight of the two-hop retrieval attention loss (0 = off)."
+    ),
+    time_limit: float = typer.Option(0.0, "--time-limit", help="Stop cleanly after this many seconds."),
+    log_every: int = typer.Option(25, "--log-every"),
+    ckpt_every: int = typer.Option(500, "--ckpt-every"),
+    max_shard_mb: float = typer.Option(
+        0.0, "--max-shard-mb", help="Shard model.safetensors above this size."
+    ),
+    eval_n: int = typer.Option(0, "--eval-n", help="After training, evaluate N held-out prompts per task."),
+) -> None:
+    """Train a DiffusionGemma-architecture model on the demo corpus."""
+    from diffgemma.train.cli import run_eval, run_train
+    from diffgemma.train.trainer import PRESETS, TrainConfig, task_weights
 
-    train_main(argv)  # returns its summary (also printed); success is exit 0
-    return 0
+    if preset not in PRESETS:
+        _usage(ctx, f"--preset must be one of {', '.join(sorted(PRESETS))}, got {preset!r}")
+    if lookup_weight < 0:
+        _usage(ctx, f"--lookup-weight must be >= 0, got {lookup_weight}")
+    if curriculum_steps < 0:
+        _usage(ctx, f"--curriculum-steps must be >= 0, got {curriculum_steps}")
+    try:
+        task_weights(mix)
+    except ValueError as e:
+        _usage(ctx, str(e))
+    cfg = TrainConfig(
+        out=str(out),
+        steps=steps,
+        batch=batch,
+        lr=lr,
+        warmup=warmup,
+        weight_decay=weight_decay,
+        seed=seed,
+        device=device,
+        preset=preset,
+        canvas_length=canvas_length,
+        max_denoising_steps=max_denoising_steps,
+        vocab_size=vocab_size,
+        sc_prob=sc_prob,
+        pad_weight=pad_weight,
+        time_limit=time_limit,
+        log_every=log_every,
+        ckpt_every=ckpt_every,
+        max_shard_mb=max_shard_mb,
+        resume=resume,
+        init=init,
+        mix=mix,
+        curriculum_steps=curriculum_steps,
+        lookup_weight=lookup_weight,
+    )
+    with one_line_errors():
+        run_train(cfg)
+        if eval_n > 0:
+            run_eval(out, eval_n, device=None if device == "auto" else device, json_out=out / "eval.json")
 
 
-def _eval(argv: list[str]) -> int:
-    from diffgemma.train.cli import eval_main
+@app.command("eval")
+def eval_(
+    ctx: typer.Context,
+    model: Path = typer.Option(..., "-m", "--model", help="Checkpoint directory."),
+    n: int = typer.Option(50, "--n", help="Held-out prompts per task."),
+    seed: int = typer.Option(1234, "--seed"),
+    device: str | None = DEVICE,
+    dtype: str | None = DTYPE,
+    tasks: str | None = typer.Option(None, "--tasks", help="Comma-separated tasks (default: all of them)."),
+    max_new_tokens: int = typer.Option(160, "--max-new-tokens"),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write the result as JSON to this file."),
+) -> None:
+    """Held-out accuracy of a model on the demo tasks."""
+    from diffgemma.train import data
+    from diffgemma.train.cli import run_eval
 
-    eval_main(argv)
-    return 0
-
-
-_passthrough("bench", _bench)
-_passthrough("train", _train)
-_passthrough("eval", _eval)
+    chosen = tuple(t for t in (tasks or ",".join(data.TASKS)).split(",") if t)
+    unknown = [t for t in chosen if t not in data.TASKS]
+    if unknown:
+        _usage(ctx, f"unknown tasks {unknown}; choose from {', '.join(data.TASKS)}")
+    with one_line_errors():
+        run_eval(model, n, seed, device, dtype, chosen, max_new_tokens, json_out)
 
 
 def main() -> None:

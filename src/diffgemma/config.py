@@ -305,65 +305,104 @@ class SamplerConfig:
         return cls(**values).validated()
 
 
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How the model runs (`runner.ModelRunner`): where, in what precision and with which kernels."""
+
+    device: str | None = None  # "cpu", "cuda", "cuda:1", "mps" (None: the best available)
+    dtype: str | None = (
+        None  # "float32", "bfloat16", "float16", "float64" (None: bfloat16 on a GPU, float32 on CPU)
+    )
+    kernels: str = "auto"  # "reference" (torch ops), "fast" (Triton and library kernels), "auto": fast on CUDA in 16 bits
+    compile: bool = (
+        True  # torch.compile the fast kernels' regions (docs/performance.md, "torch.compile and warm-up")
+    )
+    graphs: bool = True  # CUDA graphs for the denoise steps, commits and short prefills (CUDA only)
+    prefill_chunk: int = 8192  # tokens a fast prefill pass (docs/performance.md, "Prefill chunk size")
+    threads: int | None = None  # CPU threads (None: one for a small model, else torch's default)
+
+    def replace(self, **changes: Any) -> RuntimeConfig:
+        return dataclasses.replace(self, **changes).validated()
+
+    def validated(self) -> RuntimeConfig:
+        checks = [
+            (self.dtype in (None, *DTYPES), f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"),
+            (self.kernels in KERNELS, f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}"),
+            (self.prefill_chunk > 0, f"prefill_chunk must be > 0, got {self.prefill_chunk}"),
+            (self.threads is None or self.threads >= 1, f"threads must be at least 1, got {self.threads}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(f"runtime config: {message}")
+        return self
+
+
+DTYPES = ("float32", "bfloat16", "float16", "float64", "fp32", "bf16", "fp16")
+KERNELS = ("auto", "reference", "fast")
+
+
 # ---------------------------------------------------------------------------------------------
-# Environment overrides: the one place `DIFFGEMMA_*` variables are read.
+# Environment overrides: the one place `DIFFGEMMA_*` variables are read. Every field of SamplerConfig and
+# RuntimeConfig has one (`DIFFGEMMA_ENTROPY_BOUND`, `DIFFGEMMA_DEVICE`, ...); any other name is an error.
 
 ENV_PREFIX = "DIFFGEMMA_"
-_SAMPLER_FIELDS = {f.name: f for f in fields(SamplerConfig)}
-# Variables read elsewhere (named here so that a typo in any DIFFGEMMA_* name is caught).
-OTHER_ENV = {"DEVICE", "DTYPE", "MODEL", "HOME"}
+_FIELDS = {
+    **{f.name: ("sampler", f) for f in fields(SamplerConfig)},
+    **{f.name: ("runtime", f) for f in fields(RuntimeConfig)},
+}
 
 
 def _parse_env_value(name: str, raw: str, typ: Any) -> Any:
+    typ = str(typ).replace(" | None", "")
     try:
-        if typ in (bool, "bool"):
+        if typ == "bool":
             low = raw.strip().lower()
             if low in ("1", "true", "yes", "on"):
                 return True
             if low in ("0", "false", "no", "off"):
                 return False
             raise ValueError
-        if typ in (int, "int"):
+        if typ == "int":
             return int(raw)
-        if typ in (float, "float"):
+        if typ == "float":
             value = float(raw)
             if not math.isfinite(value):
                 raise ValueError
             return value
-        if typ in ("tuple[int, ...]",):
+        if typ == "tuple[int, ...]":
             return tuple(int(x) for x in raw.split(",") if x.strip())
+        if typ == "str":
+            return raw
     except ValueError:
-        raise ConfigError(
-            f"{name}={raw!r} is not a valid {typ if isinstance(typ, str) else typ.__name__}"
-        ) from None
+        raise ConfigError(f"{name}={raw!r} is not a valid {typ}") from None
     raise ConfigError(f"{name}: unsupported option type {typ}")
 
 
-def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """Sampler overrides from `DIFFGEMMA_<FIELD>` variables. Unknown names and bad values raise."""
+def env_overrides(kind: str, environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """The overrides of one config ("sampler" or "runtime") from `DIFFGEMMA_<FIELD>` variables. An unknown
+    `DIFFGEMMA_*` name or a bad value raises, whichever config is asked for."""
     env = os.environ if environ is None else environ
     out: dict[str, Any] = {}
     for name, raw in env.items():
         if not name.startswith(ENV_PREFIX):
             continue
         key = name[len(ENV_PREFIX) :].lower()
-        if key.upper() in OTHER_ENV:
-            continue
-        f = _SAMPLER_FIELDS.get(key)
-        if f is None:
-            known = ", ".join(sorted(ENV_PREFIX + k.upper() for k in _SAMPLER_FIELDS))
+        if key not in _FIELDS:
+            known = ", ".join(sorted(ENV_PREFIX + k.upper() for k in _FIELDS))
             raise ConfigError(f"unknown environment variable {name}; known: {known}")
-        out[key] = _parse_env_value(name, raw, f.type)
+        owner, f = _FIELDS[key]
+        value = _parse_env_value(name, raw, f.type)
+        if owner == kind:
+            out[key] = value
     return out
-
-
-def env_str(key: str, environ: dict[str, str] | None = None) -> str | None:
-    """A non-sampler `DIFFGEMMA_*` setting (DEVICE, DTYPE, MODEL, HOME)."""
-    assert key in OTHER_ENV, key
-    env = os.environ if environ is None else environ
-    return env.get(ENV_PREFIX + key) or None
 
 
 def load_sampler_config(path: str | Path, environ: dict[str, str] | None = None) -> SamplerConfig:
     base = SamplerConfig.from_dir(path)
-    return dataclasses.replace(base, **env_overrides(environ)).validated()
+    return dataclasses.replace(base, **env_overrides("sampler", environ)).validated()
+
+
+def load_runtime_config(environ: dict[str, str] | None = None, **given: Any) -> RuntimeConfig:
+    """RuntimeConfig from the environment's overrides, under the fields `given` (those not None win)."""
+    values = {**env_overrides("runtime", environ), **{k: v for k, v in given.items() if v is not None}}
+    return RuntimeConfig(**values).validated()

@@ -23,7 +23,7 @@ class Conversation:
     def __init__(self, engine: Engine, max_tokens: int | None = None, rewind_slack: int = REWIND_SLACK):
         self.engine = engine
         max_tokens = max_tokens or engine.max_tokens
-        self.kv = engine.model.new_cache(
+        self.kv = engine.runner.new_cache(
             max_tokens, ring_size=ring_slots(engine.config, max_tokens, rewind_slack)
         )
 
@@ -44,7 +44,7 @@ class Conversation:
         n = common_prefix(self.log, ids)
         if n < len(self.log):
             if self.kv.can_truncate(n):
-                self.engine.model.rewind(self.kv, n)
+                self.engine.runner.rewind(self.kv, n)
             else:
                 self.kv.reset()
                 n = 0

@@ -7,15 +7,16 @@ import pytest
 
 @pytest.fixture
 def graph_captures(monkeypatch) -> list[int]:
-    """A list that grows by one with each CUDA graph captured (`GraphStep` built) while the test runs."""
-    from diffgemma.kernels import cuda as fast_ops
+    """A list that grows by one with each denoise or commit graph captured (`DenoiseGraphs` building a
+    `GraphStep`) while the test runs; a padded prefill's graph is not counted."""
+    from diffgemma.runner import graphs
 
     captures: list[int] = []
-    real_step = fast_ops.GraphStep
+    real_step = graphs.GraphStep
 
     def graph_step(*args, **kwargs):
         captures.append(1)
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(fast_ops, "GraphStep", graph_step)
+    monkeypatch.setattr(graphs, "GraphStep", graph_step)
     return captures

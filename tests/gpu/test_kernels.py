@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffgemma.kernels import cuda as fast
+from diffgemma.config import RuntimeConfig
+from diffgemma.kernels import dispatch, regions
+from diffgemma.kernels import library as fast
 from diffgemma.kernels import torch_ref as ref
+from diffgemma.runner.runner import ModelRunner
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,8 +54,8 @@ def test_attention_nomask_matches_reference(hd, hkv, s, n_valid):
     n = n_valid or s
     want = ref.attention(q.float(), k[:, :, :n].float(), v[:, :, :n].float(), None)
     assert rel(fast.attention_nomask(q, k, v, valid=valid), want) < 1e-2
-    assert "triton_attn" not in fast.triton_failed_kernels  # d=256 ran the split-KV kernel, not SDPA
-    assert "triton_softmax" not in fast.triton_failed_kernels  # d=512: its Triton passes, not torch's
+    assert "triton_attn" not in dispatch.failed  # d=256 ran the split-KV kernel, not SDPA
+    assert "triton_softmax" not in dispatch.failed  # d=512: its Triton passes, not torch's
 
 
 def test_exp_to_and_divide_rows_give_the_softmax():
@@ -65,7 +68,7 @@ def test_exp_to_and_divide_rows_give_the_softmax():
         keep = torch.arange(scores.shape[-1], device=DEV) < (n_valid or scores.shape[-1])
         want = torch.softmax(scores.double().masked_fill(~keep, float("-inf")), dim=-1)
         p, sums = fast.exp_to(scores, torch.bfloat16, valid=valid)
-        assert "triton_softmax" not in fast.triton_failed_kernels
+        assert "triton_softmax" not in dispatch.failed
         assert (
             p.dtype == torch.bfloat16 and bool(torch.isfinite(p).all()) and bool((p[..., ~keep] == 0).all())
         )
@@ -100,52 +103,53 @@ def test_attention_window_and_causal_past_match_reference(start):
             got = fast.attention_causal_past(q, k, v)
         want = ref.rows(ref.attention(q.float(), k.float(), v.float(), mask))
         assert rel(got, want) < 1e-2, (hd, sliding)
-    assert "triton_softmax" not in fast.triton_failed_kernels
+    assert "triton_softmax" not in dispatch.failed
 
 
-def _tiny_bf16_model_with_prompt(tmp_path):
-    """A tiny bf16 model on the GPU, a 40-token prompt prefilled into a fresh cache, and a canvas."""
+def _tiny_bf16_model_with_prompt(tmp_path, **runtime):
+    """A tiny bf16 model on the GPU with a runner (`runtime`: RuntimeConfig's fields), a 40-token prompt
+    prefilled into a fresh cache, and a canvas."""
     from diffgemma.testing import write_tiny_checkpoint
     from diffgemma.weights.loader import load_model
 
     m = load_model(write_tiny_checkpoint(tmp_path / "c", seed=3), DEV, torch.bfloat16)
+    run = ModelRunner(m, RuntimeConfig(**runtime))
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, m.cfg.vocab_size, (1, 40), generator=g)
     canvas = torch.randint(0, m.cfg.vocab_size, (1, m.cfg.canvas_length), generator=g)
     kv = m.new_cache(128)
-    m.prefill(prompt, kv)
-    return m, canvas, kv
+    run.prefill(prompt, kv)
+    return run, canvas, kv
 
 
 def test_graphed_denoise_matches_eager(tmp_path):
-    """The captured and replayed fused denoise step against the same path run eagerly: the same kernels, so
-    equal up to rounding noise (the unfused fast path is never graphed). Across paths the fast path is pinned
-    to the reference in fp32 on CPU (tests/test_merged_weights.py, exact); in bf16 this tiny checkpoint's top-k
-    routing flips dominate any comparison across paths (fast vs reference: rel 0.185 on this seed, on CPU and
-    on the H200 alike)."""
-    m, canvas, kv = _tiny_bf16_model_with_prompt(tmp_path)
-    m.fast, m.fuse, m.use_graphs = True, True, False
-    want = m.denoise(canvas, kv)
+    """The captured and replayed denoise step on the fast kernels against the same step run eagerly: the same
+    kernels, so equal up to rounding noise. Across kernel sets the fast ones are pinned to the reference in fp32
+    on CPU (tests/test_fast_kernels.py, exact); in bf16 this tiny checkpoint's top-k routing flips dominate any
+    comparison across them (fast vs reference: rel 0.185 on this seed, on CPU and on the H200 alike)."""
+    eager, canvas, kv = _tiny_bf16_model_with_prompt(tmp_path, graphs=False)
+    want = eager.denoise(canvas, kv)
     sc = torch.softmax(want[0] / 0.7, -1)
-    want_sc = m.denoise(canvas, kv, sc_probs=sc)
-    m.use_graphs = True
+    want_sc = eager.denoise(canvas, kv, sc_probs=sc)
+    graphed = ModelRunner(eager.model, RuntimeConfig())
     for _ in range(2):  # capture, then replay
-        assert rel(m.denoise(canvas, kv), want) < 1e-3
-        assert rel(m.denoise(canvas, kv, sc_probs=sc), want_sc) < 1e-3
-    assert not any(r.failed for r in m.fused_regions.values())
+        assert rel(graphed.denoise(canvas, kv), want) < 1e-3
+        assert rel(graphed.denoise(canvas, kv, sc_probs=sc), want_sc) < 1e-3
+    assert len(graphed.graphs) == 2 and not any(r.failed for r in graphed.model.kernels.regions.values())
 
 
 def test_graphed_denoise_with_eager_regions_matches_eager(tmp_path):
-    """`compile_regions(False)` (a one-shot `ask`): the regions run as plain torch ops inside the captured graph,
-    which matches the same step run without graphs, and nothing is compiled."""
-    m, canvas, kv = _tiny_bf16_model_with_prompt(tmp_path)
-    m.compile_regions(False)
-    m.use_graphs = False
-    want = m.denoise(canvas, kv)
-    m.use_graphs = True
+    """compile=False (a one-shot `ask`): the regions run as plain torch ops inside the captured graph, which
+    matches the same step run without graphs, and nothing is compiled."""
+    eager, canvas, kv = _tiny_bf16_model_with_prompt(tmp_path, compile=False, graphs=False)
+    want = eager.denoise(canvas, kv)
+    graphed = ModelRunner(eager.model, RuntimeConfig(compile=False))
     for _ in range(2):  # the capture's replay, then a replay
-        assert rel(m.denoise(canvas, kv), want) < 1e-3
-    assert m._graphs and not any(r._seen for r in [*m.fused_regions.values(), *m.prefill_regions.values()])
+        assert rel(graphed.denoise(canvas, kv), want) < 1e-3
+    kernels = graphed.model.kernels
+    assert len(graphed.graphs) and not any(
+        r._seen for r in [*kernels.regions.values(), *kernels.prefill_regions.values()]
+    )
 
 
 def test_denoise_graphs_of_recent_key_buckets_are_kept(tmp_path, monkeypatch, graph_captures):
@@ -154,32 +158,30 @@ def test_denoise_graphs_of_recent_key_buckets_are_kept(tmp_path, monkeypatch, gr
     of being captured again; with GRAPH_BUCKETS at 1 only the last bucket's graph is kept, and the next capture
     needs a new memory pool. Every replay matches the step run eagerly. Each replay's output (raw=True: the one
     logits buffer every graph writes) stays referenced past its graph's eviction, as a caller's may."""
-    from diffgemma.model import model as model_module
+    from diffgemma.runner import graphs
 
-    monkeypatch.setattr(model_module, "FULL_KEY_BUCKET", 32)
-    m, canvas, kv = _tiny_bf16_model_with_prompt(tmp_path)
-    m.fast, m.fuse = True, True
+    monkeypatch.setattr(graphs, "FULL_KEY_BUCKET", 32)
+    eager, canvas, kv = _tiny_bf16_model_with_prompt(tmp_path, graphs=False)
+    graphed = ModelRunner(eager.model, RuntimeConfig())
     g = torch.Generator().manual_seed(1)
-    short = torch.randint(0, m.cfg.vocab_size, (1, 40), generator=g)
-    long = torch.randint(0, m.cfg.vocab_size, (1, 60), generator=g)
+    short = torch.randint(0, eager.cfg.vocab_size, (1, 40), generator=g)
+    long = torch.randint(0, eager.cfg.vocab_size, (1, 60), generator=g)
 
     held = []
 
     def captures_at(prompt: torch.Tensor) -> int:
-        m.use_graphs = False  # the prefill's own graph stays out of the count
         kv.reset()
-        m.prefill(prompt, kv)
-        want = m.denoise(canvas, kv)
-        m.use_graphs = True
+        eager.prefill(prompt, kv)
+        want = eager.denoise(canvas, kv)
         before = len(graph_captures)
         for _ in range(2):
-            assert rel(m.denoise(canvas, kv), want) < 1e-3, kv.length
-        held.append(m.denoise(canvas, kv, raw=True))
+            assert rel(graphed.denoise(canvas, kv), want) < 1e-3, kv.length
+        held.append(graphed.denoise(canvas, kv, raw=True))
         return len(graph_captures) - before
 
     assert [captures_at(short), captures_at(long)] == [1, 1]
     assert [captures_at(short), captures_at(long)] == [0, 0]
-    monkeypatch.setattr(model_module, "GRAPH_BUCKETS", 1)  # the last one used (long's) stays
+    monkeypatch.setattr(graphs, "GRAPH_BUCKETS", 1)  # the last one used (long's) stays
     assert [captures_at(long), captures_at(short), captures_at(long)] == [0, 1, 1]
 
 
@@ -190,19 +192,21 @@ def test_denoise_graphs_are_kept_per_cache(tmp_path, monkeypatch, graph_captures
     cache's id and memory reused) captures its own instead of replaying the other's."""
     import gc
 
-    from diffgemma.model.model import DiffusionGemma
+    from diffgemma.runner.graphs import DenoiseGraphs
 
-    m, canvas, kv = _tiny_bf16_model_with_prompt(tmp_path)
-    m.fast, m.fuse, m.use_graphs = True, True, False
+    eager, canvas, kv = _tiny_bf16_model_with_prompt(tmp_path, graphs=False)
+    m = eager.model
     kv2 = m.new_cache(128)
-    m.prefill(torch.randint(0, m.cfg.vocab_size, (1, 25), generator=torch.Generator().manual_seed(2)), kv2)
-    want = [m.denoise(canvas, kv), m.denoise(canvas, kv2)]
+    eager.prefill(
+        torch.randint(0, m.cfg.vocab_size, (1, 25), generator=torch.Generator().manual_seed(2)), kv2
+    )
+    want = [eager.denoise(canvas, kv), eager.denoise(canvas, kv2)]
     assert rel(want[0], want[1]) > 1e-2  # the two caches give different steps
-    m.use_graphs = True
+    graphed = ModelRunner(m, RuntimeConfig())
     outs = set()
     for _ in range(3):
         for cache, expected in zip((kv, kv2), want, strict=True):
-            got = m.denoise(canvas, cache, raw=True)
+            got = graphed.denoise(canvas, cache, raw=True)
             assert (
                 got.dtype == torch.bfloat16
                 and rel(ref.softcap(got, m.cfg.final_logit_softcapping), expected) < 1e-3
@@ -216,12 +220,12 @@ def test_denoise_graphs_are_kept_per_cache(tmp_path, monkeypatch, graph_captures
     gc.collect()
     assert torch.cuda.memory_allocated() <= before - nbytes
     kv2 = m.new_cache(128)
-    m.use_graphs = False  # as for the first kv2: the prompt's own graph stays out of the count
-    m.prefill(torch.randint(0, m.cfg.vocab_size, (1, 25), generator=torch.Generator().manual_seed(2)), kv2)
-    m.use_graphs = True
-    monkeypatch.setattr(DiffusionGemma, "_graph_key", staticmethod(lambda cache: "one key"))
+    eager.prefill(
+        torch.randint(0, m.cfg.vocab_size, (1, 25), generator=torch.Generator().manual_seed(2)), kv2
+    )
+    monkeypatch.setattr(DenoiseGraphs, "_key", staticmethod(lambda cache, c: "one key"))
     for cache, expected in zip((kv, kv2, kv), want + want[:1], strict=True):
-        assert rel(m.denoise(canvas, cache), expected) < 1e-3
+        assert rel(graphed.denoise(canvas, cache), expected) < 1e-3
     assert len(graph_captures) == 5
 
 
@@ -232,28 +236,28 @@ def test_generate_writes_sc_into_the_graph_buffer(tmp_path, monkeypatch):
     from diffgemma.bench import fixed_steps_sampler
     from diffgemma.engine.generate import generate
 
-    m, _, _ = _tiny_bf16_model_with_prompt(tmp_path)
-    m.fast, m.fuse, m.use_graphs = True, True, True
+    run, _, _ = _tiny_bf16_model_with_prompt(tmp_path)
     prompt = list(range(3, 43))
     cfg = fixed_steps_sampler(6)
     used = []
-    real = m.sc_input_buffer
+    real = run.sc_input_buffer
+    c = run.cfg.canvas_length
 
     def buffer(kv, canvas_len):
         out = real(kv, canvas_len)
         used.append(out is not None)
         return out
 
-    monkeypatch.setattr(m, "sc_input_buffer", buffer)
-    ids = generate(m, prompt, m.new_cache(256), cfg, max_new_tokens=2 * m.cfg.canvas_length).token_ids
+    monkeypatch.setattr(run, "sc_input_buffer", buffer)
+    ids = generate(run, prompt, run.new_cache(256), cfg, max_new_tokens=2 * c).token_ids
     assert sum(used) >= 8, used  # steps 2-6 of each block
-    monkeypatch.setattr(m, "sc_input_buffer", lambda kv, canvas_len: None)
-    real_denoise = m.denoise
-    monkeypatch.setattr(m, "denoise", lambda *a, raw=False, **k: real_denoise(*a, raw=True, **k).clone())
-    assert generate(m, prompt, m.new_cache(256), cfg, max_new_tokens=2 * m.cfg.canvas_length).token_ids == ids
+    monkeypatch.setattr(run, "sc_input_buffer", lambda kv, canvas_len: None)
+    real_denoise = run.denoise
+    monkeypatch.setattr(run, "denoise", lambda *a, raw=False, **k: real_denoise(*a, raw=True, **k).clone())
+    assert generate(run, prompt, run.new_cache(256), cfg, max_new_tokens=2 * c).token_ids == ids
 
 
-# -- fused (torch.compile'd) regions of the denoise layer: each pinned to its eager torch_ref self ------------
+# -- the torch.compile'd regions of the denoise layer, each pinned to its eager self; the FFN half's steps -----
 
 
 def _real_layer_params(seed: int = 0):
@@ -288,12 +292,32 @@ def _real_layer_params(seed: int = 0):
     return p
 
 
+class _Layer:
+    """A real-shape layer's FFN weights, as the kernel table's FFN steps read them from a `Layer`."""
+
+    def __init__(self, p: dict) -> None:
+        self.__dict__.update(p)
+
+    def gate_up_weight(self, dtype):
+        return torch.cat([self.mlp_gate, self.mlp_up]).to(dtype)
+
+
+def _ffn_half(kernels, layer: _Layer, h, attn, p):
+    """The FFN half of `DiffusionGemma.layer_forward`, step by step through a kernel table."""
+    h1, x_dense, x_moe, r = kernels.pre_ffn(h, attn, layer, 1e-6, p)
+    routing = kernels.route(r, layer, 8, p)
+    dense = kernels.dense_mlp(x_dense, layer, 1e-6, p)
+    y = kernels.experts(x_moe, routing, layer, p)
+    return kernels.post_ffn(h1, dense, y, routing, layer, layer.layer_scalar, None, 1e-6, p)[0]
+
+
 def test_fused_regions_match_eager():
-    from diffgemma.kernels import fused
+    from diffgemma.kernels.table import FastKernels, Kernels
+    from diffgemma.model.passes import DENOISE, Pass
 
     torch.manual_seed(0)
-    eager = fused.make_regions(enabled=False)
-    comp = fused.make_regions(enabled=True)
+    eager = regions.make_regions(enabled=False)
+    comp = regions.make_regions(enabled=True)
     c = 256
     # qkv_post, both layer kinds
     for hd, nkv, has_v, rc in [
@@ -319,36 +343,40 @@ def test_fused_regions_match_eager():
     logits = torch.randn(c, 262144, device=DEV, dtype=torch.bfloat16) * 40
     got, want = comp["softcap"](logits, 30.0), eager["softcap"](logits, 30.0)
     assert (got - want).abs().max().item() < 1e-4 and (got.argmax(-1) == want.argmax(-1)).all()
-    # the whole FFN half (pre_ffn + grouped GEMMs + gelu_mul + post_ffn) against the unfused fast path
-    p = _real_layer_params()
+    # the whole FFN half (pre_ffn, the Triton routing and expert kernels, the dense MLP on its stream, the
+    # combine) on the fast kernels and the reference ones, against the plain formula
+    layer = _Layer(_real_layer_params())
     h = torch.randn(c, 2816, device=DEV, dtype=torch.bfloat16) * 3
     attn = torch.randn(c, 2816, device=DEV, dtype=torch.bfloat16)
-    got = fused.moe_layer_ffn(h, attn, p, 1e-6, 8, comp)
-    want_eager = fused.moe_layer_ffn(h, attn, p, 1e-6, 8, eager)
-    h1 = h + ref.rms_norm(attn, p["post_attention_layernorm"], 1e-6)
-    x1 = ref.rms_norm(h1, p["pre_feedforward_layernorm"], 1e-6)
+    p = Pass(DENOISE, [], c, torch.arange(c, device=DEV), [0])
+    fast_k = FastKernels()
+    got = _ffn_half(fast_k, layer, h, attn, p)
+    want_eager = _ffn_half(Kernels(), layer, h, attn, p)
+    h1 = h + ref.rms_norm(attn, layer.post_attention_layernorm, 1e-6)
+    x1 = ref.rms_norm(h1, layer.pre_feedforward_layernorm, 1e-6)
     dense = ref.rms_norm(
-        torch.nn.functional.linear(ref.gelu_tanh(x1 @ p["mlp_gate"].T) * (x1 @ p["mlp_up"].T), p["mlp_down"]),
-        p["post_feedforward_layernorm_1"],
+        torch.nn.functional.linear(
+            ref.gelu_tanh(x1 @ layer.mlp_gate.T) * (x1 @ layer.mlp_up.T), layer.mlp_down
+        ),
+        layer.post_feedforward_layernorm_1,
         1e-6,
     )
-    wts, ids = ref.route(h1, p["router_proj"], p["router_scale"], p["per_expert_scale"], 8, 1e-6)
-    x2 = ref.rms_norm(h1, p["pre_feedforward_layernorm_2"], 1e-6)
+    wts, ids = ref.route(h1, layer.router_proj, layer.router_scale, layer.per_expert_scale, 8, 1e-6)
+    x2 = ref.rms_norm(h1, layer.pre_feedforward_layernorm_2, 1e-6)
     moe = ref.rms_norm(
-        fast.moe_experts(x2, wts, ids, p["experts_gate_up"], p["experts_down"]),
-        p["post_feedforward_layernorm_2"],
+        fast.moe_experts(x2, wts, ids, layer.experts_gate_up, layer.experts_down),
+        layer.post_feedforward_layernorm_2,
         1e-6,
     )
-    want = (h1 + ref.rms_norm(dense + moe, p["post_feedforward_layernorm"], 1e-6)) * p["layer_scalar"]
+    want = (h1 + ref.rms_norm(dense + moe, layer.post_feedforward_layernorm, 1e-6)) * layer.layer_scalar
     assert rel(want_eager, want) < 1e-2
     assert rel(got, want) < 1e-2
-    assert not any(r.failed for r in comp.values()), fused.regions_report(comp)
-    assert (
-        "triton_moe" not in fast.triton_failed_kernels
-    )  # the Triton MoE kernels ran (where triton exists), no silent fallback
+    assert not any(r.failed for r in fast_k.regions.values()), regions.regions_report(fast_k.regions)
+    # the Triton kernels ran (where triton exists), no silent fallback
+    assert not {"triton_moe", "triton_route", "triton_combine"} & dispatch.failed
 
 
-# -- prefill: the full layers' materialized attention, the fused prefill (regions with a symbolic length) -----
+# -- prefill: the full layers' materialized attention, the fast prefill routes ------------------------------
 
 
 @pytest.mark.parametrize("past", [0, 3000])
@@ -364,53 +392,56 @@ def test_attention_causal_scores_matches_reference(past, monkeypatch):
     # the block size from the score budget: room for ~300 query rows -> blocks of 256 (3 full, 1 ragged)
     monkeypatch.setattr(fast, "SCORE_BYTES", 4 * 16 * (past + t) * 300)
     assert rel(fast.attention_causal_past(q, k, v), want) < 1e-2
-    assert "triton_softmax" not in fast.triton_failed_kernels
+    assert "triton_softmax" not in dispatch.failed
 
 
-def test_fused_prefill_matches_unfused(tmp_path):
+def test_fast_prefill_matches_reference(tmp_path):
     from diffgemma.testing import write_tiny_checkpoint
     from diffgemma.weights.loader import load_model
 
-    # full layers at the real head_dim 512, so that both paths run attention_causal_scores too
+    # full layers at the real head_dim 512, so that the fast kernels run attention_causal_scores too
     ckpt = write_tiny_checkpoint(tmp_path / "c", seed=3, global_head_dim=512)
-    plain, fused_m = load_model(ckpt, DEV, torch.bfloat16), load_model(ckpt, DEV, torch.bfloat16)
-    plain.fuse, fused_m.fuse = False, True
+    plain = ModelRunner(load_model(ckpt, DEV, torch.bfloat16), RuntimeConfig(kernels="reference"))
+    fast_run = ModelRunner(load_model(ckpt, DEV, torch.bfloat16), RuntimeConfig(graphs=False))
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, plain.cfg.vocab_size, (1, 540), generator=g)
     canvas = torch.randint(0, plain.cfg.vocab_size, (1, plain.cfg.canvas_length), generator=g)
-    kv_plain, kv_fused = plain.new_cache(1024), fused_m.new_cache(1024)
-    # chunks of 200 and 150 tokens take the grouped expert GEMMs (2 pairs a token > 32 per expert of 8), 100
-    # and 90 the Triton kernels: each `post_ffn` variant compiles once, the second length of each must not.
+    kv_plain, kv_fast = plain.new_cache(1024), fast_run.new_cache(1024)
+    # 200 tokens into the empty cache (padded), then chunks: 100 and 150 tokens take the grouped expert GEMMs (2
+    # pairs a token > 32 per expert of 8), 90 the Triton kernels: each `post_ffn` variant compiles once, the
+    # second length of each must not.
     bounds = [0, 200, 300, 450, 540]
     for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        plain.prefill(prompt[:, a:b], kv_plain)
         with torch._dynamo.config.patch(error_on_recompile=i >= 2):
-            plain.prefill(prompt[:, a:b], kv_plain)
-            fused_m.prefill(prompt[:, a:b], kv_fused)
-    regions = fused_m.prefill_regions
-    assert not any(r.failed for r in regions.values()), {n: r.failed for n, r in regions.items()}
-    assert kv_fused.length == kv_plain.length == 540
+            fast_run.prefill(prompt[:, a:b], kv_fast)
+    prefill_regions = fast_run.model.kernels.prefill_regions
+    assert not any(r.failed for r in prefill_regions.values()), {
+        n: r.failed for n, r in prefill_regions.items()
+    }
+    assert kv_fast.length == kv_plain.length == 540
     # Layer 0's K/V come before any routing: bf16 rounding alone (merged vs separate GEMMs, compiled vs eager
     # norms and RoPE), across all four chunks' positions. Deeper layers inherit top-k flips of the tiny
     # checkpoint (rel up to 0.055 measured on the H200), so there only an O(1) error (a wrong norm, scalar or
-    # position) is caught here; the two paths are pinned exactly in fp32 on CPU (tests/test_fused_prefill.py).
+    # position) is caught here; the two kernel sets are pinned exactly in fp32 on CPU (tests/test_fast_kernels.py).
     for i in range(plain.cfg.num_layers):
-        for got, want in zip(kv_fused.read(i)[:2], kv_plain.read(i)[:2], strict=True):
+        for got, want in zip(kv_fast.read(i)[:2], kv_plain.read(i)[:2], strict=True):
             assert rel(got, want) < (1e-2 if i == 0 else 0.25), i
-    fused_m.fuse = False  # the denoise that follows on the same path for both: only the caches differ
-    assert rel(fused_m.denoise(canvas, kv_fused), plain.denoise(canvas, kv_plain)) < 0.25
+    # the denoise that follows on the same (reference) kernels for both: only the caches differ
+    assert rel(plain.denoise(canvas, kv_fast), plain.denoise(canvas, kv_plain)) < 0.25
 
 
 def test_padded_prefill_graph_matches_eager(tmp_path):
     """A prompt into an empty cache prefills padded to its bucket of 256: eagerly the first time, captured the
     second, replayed after that, also for another length of the same bucket. The same kernels each time, so
     the same cache bit for bit as the eager padded prefill; against the unpadded chunks, rounding only."""
-    from diffgemma.kernels.cuda import GraphStep
+    from diffgemma.runner.graphs import GraphStep
     from diffgemma.testing import write_tiny_checkpoint
     from diffgemma.weights.loader import load_model
 
     ckpt = write_tiny_checkpoint(tmp_path / "c", seed=3, global_head_dim=512)
-    m, eager = load_model(ckpt, DEV, torch.bfloat16), load_model(ckpt, DEV, torch.bfloat16)
-    eager.use_graphs = False
+    m = ModelRunner(load_model(ckpt, DEV, torch.bfloat16), RuntimeConfig())
+    eager = ModelRunner(load_model(ckpt, DEV, torch.bfloat16), RuntimeConfig(graphs=False))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, m.cfg.vocab_size, (1, t), generator=g) for t in (300, 300, 300, 270)]
     for p in prompts:
@@ -423,8 +454,9 @@ def test_padded_prefill_graph_matches_eager(tmp_path):
                 assert torch.equal(got, exp), i
     assert isinstance(m._prefill_graphs[512], GraphStep) and eager._prefill_graphs == {512: None}
     chunked = eager.new_cache(1024)
-    eager.prefill(prompts[-1], chunked, chunk=200)  # longer than a chunk: unpadded, in two passes
-    # routing flips in deeper layers, as in test_fused_prefill_matches_unfused
+    eager.config = eager.config.replace(prefill_chunk=200)  # longer than a chunk: unpadded, in two passes
+    eager.prefill(prompts[-1], chunked)
+    # routing flips in deeper layers, as in test_fast_prefill_matches_reference
     for i in range(m.cfg.num_layers):
         for got, exp in zip(kv.read(i)[:2], chunked.read(i)[:2], strict=True):
             assert rel(got, exp) < (1e-2 if i == 0 else 0.25), i
@@ -462,37 +494,40 @@ def test_attention_commit_matches_reference(hd, hkv):
     assert rel(got, want) < 1e-2
 
 
-def test_commit_graph_matches_eager_commit_and_encode(tmp_path):
-    """A block's commit after a prompt (`DiffusionGemma._commit`: the fused layers on the canvas slots, causal,
+def test_commit_graph_matches_eager_commit_and_reference(tmp_path):
+    """A block's commit after a prompt (`ModelRunner._commit`: the fast kernels on the canvas slots, causal,
     padded to the canvas): captured on the first commit of a key bucket, replayed after, the same cache bit for
-    bit as the same path run eagerly; against the unfused chunk path (`_encode`), rounding only in layer 0 and
-    the tiny checkpoint's routing flips deeper, as in test_fused_prefill_matches_unfused. Full layers at the real
+    bit as the same route run eagerly; against the reference kernels' prefill, rounding only in layer 0 and the
+    tiny checkpoint's routing flips deeper, as in test_fast_prefill_matches_reference. Full layers at the real
     head_dim 512: the materialized scores with the causal tail in `exp_rows`."""
     from diffgemma.testing import write_tiny_checkpoint
     from diffgemma.weights.loader import load_model
 
     ckpt = write_tiny_checkpoint(tmp_path / "c", seed=3, global_head_dim=512)
-    graphed, eager, plain = (load_model(ckpt, DEV, torch.bfloat16) for _ in range(3))
-    eager.use_graphs, plain.fuse = False, False
+    runs = [
+        ModelRunner(load_model(ckpt, DEV, torch.bfloat16), RuntimeConfig(**kw))
+        for kw in ({}, {"graphs": False}, {"kernels": "reference"})
+    ]
+    graphed = runs[0]
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, graphed.cfg.vocab_size, (1, 300), generator=g)
-    caches = [m.new_cache(1024) for m in (graphed, eager, plain)]
-    for m, kv in zip((graphed, eager, plain), caches, strict=True):
-        m.prefill(prompt, kv)
+    caches = [run.new_cache(1024) for run in runs]
+    for run, kv in zip(runs, caches, strict=True):
+        run.prefill(prompt, kv)
     c = graphed.cfg.canvas_length
     for t in (c, 5, c, c - 1):
         ids = torch.randint(0, graphed.cfg.vocab_size, (1, t), generator=g)
-        for m, kv in zip((graphed, eager, plain), caches, strict=True):
-            m.prefill(ids, kv)
+        for run, kv in zip(runs, caches, strict=True):
+            run.prefill(ids, kv)
         kv_g, kv_e, kv_p = caches
         assert kv_g.length == kv_e.length == kv_p.length
         for i in range(graphed.cfg.num_layers):
-            for got, exp, unfused in zip(kv_g.read(i)[:2], kv_e.read(i)[:2], kv_p.read(i)[:2], strict=True):
+            for got, exp, plain in zip(kv_g.read(i)[:2], kv_e.read(i)[:2], kv_p.read(i)[:2], strict=True):
                 assert torch.equal(got, exp), i
-                assert rel(got, unfused) < (1e-2 if i == 0 else 0.25), i
-    assert any(("commit", c) in graphs for _, graphs in graphed._graphs.values())
-    assert not any(r.failed for r in graphed.fused_regions.values())
-    assert "triton_softmax" not in fast.triton_failed_kernels
+                assert rel(got, plain) < (1e-2 if i == 0 else 0.25), i
+    assert any(("commit", c) in graphs for _, graphs in graphed.graphs._graphs.values())
+    assert not any(r.failed for r in graphed.model.kernels.regions.values())
+    assert "triton_softmax" not in dispatch.failed
 
 
 # -- the router's top-k and sort, the Q/K/V norms and RoPE: one Triton kernel each -----------------------------
@@ -572,7 +607,6 @@ def test_norm_rope_matches_region(t):
 def test_combine_matches_region(n):
     """`triton_combine.post_ffn` against the eager region at the real width, bf16: the same roundings, so all
     but a rare element (sums of squares in another order) bit-equal."""
-    from diffgemma.kernels import fused
     from diffgemma.kernels import triton_combine as tc
 
     g = torch.Generator(device=DEV).manual_seed(n)
@@ -589,6 +623,6 @@ def test_combine_matches_region(n):
     norms = [(1 + 0.3 * torch.randn(hid, generator=g, device=DEV)).to(dt) for _ in range(3)]
     scalar = torch.tensor([0.8], device=DEV).to(dt)
     args = (h, dense, y, slot, w, norms[0], norms[1], scalar, norms[2], 1e-6)
-    for a, b in zip(tc.post_ffn(*args), fused.post_ffn(*args), strict=True):
+    for a, b in zip(tc.post_ffn(*args), regions.post_ffn(*args), strict=True):
         assert rel(a, b) < 1e-2
         assert float((a == b).float().mean()) >= 0.999

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffgemma.kernels import cuda as fast
+from diffgemma.kernels import dispatch
+from diffgemma.kernels import library as fast
 
 pytestmark = [
     pytest.mark.gpu,
@@ -83,7 +84,7 @@ def test_window_rows_match_reference_and_sdpa(n, monkeypatch):
     past = cache[:, :, 40 : 40 + n]
     bias = fast.window_bias(n, t, w, h // hkv, q.dtype, DEV)
     got = fast.attention_window(q, past, chunk, bias)
-    assert "triton_attn" not in fast.triton_failed_kernels
+    assert "triton_attn" not in dispatch.failed
     assert got.shape == (t, h * d) and got.dtype == torch.bfloat16
     assert torch.equal(got, ta.attention_window_rows(q, past, chunk, w))  # it was the Triton kernel
     monkeypatch.setattr(fast, "_triton_kernels", lambda name: None)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffgemma.kernels import cuda as fast
+from diffgemma.kernels import dispatch
+from diffgemma.kernels import library as fast
 from diffgemma.kernels import torch_ref as ref
 
 pytestmark = [
@@ -93,7 +94,7 @@ def test_triton_fp32_activations_on_bf16_experts(routing):
     x, w, ids = routing(8)
     x = x.float() + 1e-3 * torch.randn(x.shape, device=DEV)  # values no bf16 can hold
     got = fast.moe_experts(x, w, ids, gate_up, down)
-    assert "triton_moe" not in fast.triton_failed_kernels and got.dtype == torch.float32
+    assert "triton_moe" not in dispatch.failed and got.dtype == torch.float32
     want = ref.moe_experts(x.double(), w.double(), ids, gate_up.double(), down.double())
     # The tensor cores' fp32 accumulation is coarser than an fp32 SGEMM's: 2.0e-5 measured on the H200, a
     # first bound of 1e-5 failed. Still 25x finer than a tf32 product and far finer than bf16 activations.
@@ -106,7 +107,7 @@ def test_cuda_moe_experts_dispatches_to_triton():
     gate_up, down = _weights(0)
     x, w, ids = _inputs(3)
     got = fast.moe_experts(x, w, ids, gate_up, down)
-    assert "triton_moe" not in fast.triton_failed_kernels
+    assert "triton_moe" not in dispatch.failed
     assert torch.equal(got, tm.moe_experts_triton(x, w, ids, gate_up, down))
 
 
@@ -119,7 +120,7 @@ def test_prefill_chunk_runs_triton_on_prefill_tiles(skew):
     x, w, ids = _inputs(9, n=2048, skew=skew)
     assert tm.config_for(ids.numel(), E) is tm.CONFIGS["prefill"]
     got = fast.moe_experts(x, w, ids, gate_up, down)
-    assert "triton_moe" not in fast.triton_failed_kernels
+    assert "triton_moe" not in dispatch.failed
     assert torch.equal(got, tm.moe_experts_triton(x, w, ids, gate_up, down, tm.CONFIGS["prefill"]))
     _check(got, x, w, ids, gate_up, down)
 
@@ -145,31 +146,35 @@ def test_triton_moe_in_cuda_graph():
         _check(out, *new, gate_up, down)
 
 
-# -- the fused, graphed denoise step: merged GEMMs and the canvas attended in place in the cache -------------
+# -- the graphed denoise step: merged GEMMs and the canvas attended in place in the cache -------------------
 
 
-def test_fused_graphed_denoise_matches_fused_eager_across_ring_wraps(tmp_path, monkeypatch):
-    """bf16: the graphed fused step (one [q; k; v] GEMM, one [gate; up] GEMM, the canvas's K/V stored right
-    after the cached span and attended as one slice of the cache, the next layer's input norm in post_ffn)
-    against itself run eagerly, at lengths where the sliding layers' window wraps the ring (into its mirror
-    slots) and after rewinds. The graphs read the cache length on the device: one capture per mode (plain, SC
-    probabilities, SC seed) serves every length here, as the full layers' keys stay in one bucket. Against the
-    unfused path and the reference the same step is pinned in fp32 on CPU (tests/test_merged_weights.py); in
-    bf16 the tiny checkpoint's top-k flips dominate such comparisons (rel 0.08 measured here on the H200)."""
-    from diffgemma.kernels import cuda as fast_ops
+def test_graphed_denoise_matches_eager_across_ring_wraps(tmp_path, monkeypatch):
+    """bf16: the graphed step on the fast kernels (one [q; k; v] GEMM, one [gate; up] GEMM, the canvas's K/V
+    stored right after the cached span and attended as one slice of the cache, the next layer's input norm in
+    post_ffn) against itself run eagerly, at lengths where the sliding layers' window wraps the ring (into its
+    mirror slots) and after rewinds. The graphs read the cache length on the device: one capture per mode
+    (plain, SC probabilities, SC seed) serves every length here, as the full layers' keys stay in one bucket.
+    Against the reference kernels the same step is pinned in fp32 on CPU (tests/test_fast_kernels.py); in bf16
+    the tiny checkpoint's top-k flips dominate such comparisons (rel 0.08 measured on the H200)."""
+    from diffgemma.config import RuntimeConfig
+    from diffgemma.runner import graphs
+    from diffgemma.runner.runner import ModelRunner
     from diffgemma.testing import write_tiny_checkpoint
     from diffgemma.weights.loader import load_model
 
     captures = []
-    real_step = fast_ops.GraphStep
+    real_step = graphs.GraphStep
 
     def graph_step(*args, **kwargs):
         captures.append(args[2] is not None)
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(fast_ops, "GraphStep", graph_step)
+    monkeypatch.setattr(graphs, "GraphStep", graph_step)
 
     m = load_model(write_tiny_checkpoint(tmp_path / "c", seed=3), DEV, torch.bfloat16)
+    eager, graphed = ModelRunner(m, RuntimeConfig(graphs=False)), ModelRunner(m, RuntimeConfig())
+    assert graphed.graphs_on and not eager.graphs_on
     kv = m.new_cache(256, ring_size=12)  # window 8, canvas 16: position p in slot p % 28, 23 mirror slots
     assert kv.mirror > 0
     g = torch.Generator().manual_seed(0)
@@ -177,25 +182,22 @@ def test_fused_graphed_denoise_matches_fused_eager_across_ring_wraps(tmp_path, m
 
     def check() -> None:
         fp = kv.fingerprint()
-        m.fuse, m.use_graphs = True, False
-        want = m.denoise(canvas, kv)
+        want = eager.denoise(canvas, kv)
         sc = torch.softmax(want[0] / 0.7, -1)
-        want_sc = m.denoise(canvas, kv, sc_probs=sc)
-        want_seed = m.denoise(canvas, kv, sc_seed=True)
-        m.use_graphs = True
+        want_sc = eager.denoise(canvas, kv, sc_probs=sc)
+        want_seed = eager.denoise(canvas, kv, sc_seed=True)
         for _ in range(2):  # capture (at the first length), then replay
-            assert rel(m.denoise(canvas, kv), want) < 1e-3, kv.length
-            assert rel(m.denoise(canvas, kv, sc_probs=sc), want_sc) < 1e-3, kv.length
-            assert rel(m.denoise(canvas, kv, sc_seed=True), want_seed) < 1e-3, kv.length
+            assert rel(graphed.denoise(canvas, kv), want) < 1e-3, kv.length
+            assert rel(graphed.denoise(canvas, kv, sc_probs=sc), want_sc) < 1e-3, kv.length
+            assert rel(graphed.denoise(canvas, kv, sc_seed=True), want_seed) < 1e-3, kv.length
         assert kv.fingerprint() == fp  # the canvas's K/V only ever go to free slots
 
     for t in (5, 20, 9, 31, 3, 14):
-        m.fuse = False
-        m.prefill(torch.randint(3, m.cfg.vocab_size, (1, t), generator=g), kv)
+        m.prefill(torch.randint(3, m.cfg.vocab_size, (1, t), generator=g), kv)  # the plain forward, no route
         check()
         if kv.can_truncate(kv.length - 4):
             kv.truncate(kv.length - 4)
             check()
-    assert not any(r.failed for r in m.fused_regions.values()), m.fused_regions
+    assert not any(r.failed for r in m.kernels.regions.values()), m.kernels.regions
     # plain and seed (no SC input), SC probabilities
     assert sorted(captures) == [False, False, True], captures

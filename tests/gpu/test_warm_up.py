@@ -1,4 +1,5 @@
-"""`Engine.warm_up` on the device, where the fused path also captures CUDA graphs (skipped without CUDA)."""
+"""`Engine.warm_up` on the device, where the fast kernels' path also captures CUDA graphs (skipped without
+CUDA)."""
 
 from __future__ import annotations
 
@@ -23,12 +24,12 @@ def test_warm_up_captures_then_drops_its_graphs_and_changes_no_reply(tmp_path, g
     ckpt = write_tiny_checkpoint(tmp_path / "c", seed=3)
     sampler = SamplerConfig(max_denoising_steps=4)  # prompts up to 256 tokens prefill in fp32
     warm, cold = (Engine(load_model(ckpt, "cuda", torch.bfloat16), sampler) for _ in range(2))
-    assert warm.model.is_fused
+    assert warm.runner.fast and warm.runner.graphs_on
     assert warm.warm_up() > 0
     assert len(graph_captures) >= 3, (
         graph_captures
     )  # the first step's graph (SC seed), the later steps', a commit's
-    assert not warm.model._graphs and warm.model._graph_pool is None and not warm.model._graph_io
+    assert not len(warm.runner.graphs) and warm.runner.graphs._pool is None and not warm.runner.graphs._io
 
     prompt, follow = list(range(3, 43)), list(range(50, 350))
     replies = []

@@ -73,13 +73,13 @@ def test_prefill_in_any_pieces_gives_the_same_bytes(engine) -> None:
 
     ids = torch.randint(3, 1000, (1, 150), generator=torch.Generator().manual_seed(0))
     whole = engine.new_cache(CTX)
-    engine.model.prefill(ids, whole)
+    engine.runner.prefill(ids, whole)
     for cuts in ([1, 2, 3], [17, 40, 41, 100], [16, 32, 149]):
         kv = engine.new_cache(CTX)
         for a, b in zip([0, *cuts], [*cuts, 150], strict=True):
-            engine.model.prefill(ids[:, a:b], kv)
+            engine.runner.prefill(ids[:, a:b], kv)
         assert kv.fingerprint() == whole.fingerprint(), cuts
-    engine.model.rewind(kv, 70)  # and a rewind leaves what a prefill of the shorter prefix leaves
+    engine.runner.rewind(kv, 70)  # and a rewind leaves what a prefill of the shorter prefix leaves
     short = engine.new_cache(CTX)
-    engine.model.prefill(ids[:, :70], short)
+    engine.runner.prefill(ids[:, :70], short)
     assert kv.fingerprint() == short.fingerprint()

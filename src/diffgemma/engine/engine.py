@@ -1,9 +1,8 @@
-"""`Engine`: a loaded model, its sampler config and a KV cache, behind `generate`."""
+"""`Engine`: a loaded model, its runner, sampler config and tokenizer, behind `generate`."""
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,87 +11,40 @@ import torch
 
 from diffgemma.chat.parser import parse_reply
 from diffgemma.chat.tokenizer import ChatTokenizer
-from diffgemma.config import LOAD_CONTEXT, ModelConfig, SamplerConfig, env_str, load_sampler_config
+from diffgemma.config import (
+    LOAD_CONTEXT,
+    ModelConfig,
+    RuntimeConfig,
+    SamplerConfig,
+    load_runtime_config,
+    load_sampler_config,
+)
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo, generate
 from diffgemma.model.kv_cache import KVCache
 from diffgemma.model.model import DiffusionGemma
+from diffgemma.runner.devices import device_and_dtype, set_cpu_threads
+from diffgemma.runner.runner import ModelRunner
 from diffgemma.weights.loader import load_model
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "float64": torch.float64,
-}
-
-
-def best_device() -> str:
-    if torch.cuda.is_available():
-        return "cuda"
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype is None:
-        return torch.float32 if device == "cpu" else torch.bfloat16
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
 Prompt = list[int] | torch.Tensor | str | list[dict[str, Any]]
-
-# Below this many weights touched a token, CPU inference runs on one thread: its ops are too small for threads
-# to pay, and on a machine whose other cores are busy torch's spinning threads made the demo model's denoise step
-# 65x slower (docs/performance.md, "CPU threads").
-SMALL_MODEL_ACTIVE_PARAMS = 100_000_000
-_TORCH_THREADS = torch.get_num_threads()  # torch's own default (its physical cores), before anyone changes it
-
-
-def active_params(cfg: ModelConfig) -> int:
-    """Weights one token's forward multiplies: attention, dense MLP, its top-k experts, router and LM head."""
-    h, total = cfg.hidden_size, cfg.vocab_size * cfg.hidden_size
-    for i in range(cfg.num_layers):
-        q, kv = cfg.num_heads * cfg.head_dims[i], cfg.num_kv_heads[i] * cfg.head_dims[i]
-        attention = h * (2 * q + kv * (2 if cfg.is_sliding(i) else 1))
-        experts = cfg.top_k_experts * 3 * h * cfg.moe_intermediate_size
-        total += attention + 3 * h * cfg.intermediate_size + experts + cfg.num_experts * h
-    return total
-
-
-def set_cpu_threads(cfg: ModelConfig, threads: int | None = None) -> int:
-    """Set torch's intra-op threads for CPU inference and return the count: `threads` when given, else one for a
-    model under SMALL_MODEL_ACTIVE_PARAMS active weights and torch's default for a larger one."""
-    if threads is not None and threads < 1:
-        raise ValueError(f"threads must be at least 1, got {threads}")
-    if threads is None:
-        threads = 1 if active_params(cfg) < SMALL_MODEL_ACTIVE_PARAMS else _TORCH_THREADS
-    torch.set_num_threads(threads)
-    return threads
 
 
 class Engine:
     def __init__(
         self,
-        model: DiffusionGemma,
+        runner: ModelRunner | DiffusionGemma,
         sampler: SamplerConfig,
         path: Path | None = None,
-        max_tokens: int = 8192,
+        max_tokens: int = LOAD_CONTEXT,
         tokenizer: ChatTokenizer | None = None,
     ):
-        self.model = model
+        self.runner = runner if isinstance(runner, ModelRunner) else ModelRunner(runner)
+        self.model = self.runner.model
         self.sampler = sampler
         self.path = path
         self.max_tokens = max_tokens
         self.tokenizer = tokenizer
-        # The cache of calls without `kv`, reset and reused while big enough: the model's captured denoise
+        # The cache of calls without `kv`, reset and reused while big enough: the runner's captured denoise
         # graphs are tied to a cache, so a fresh one per call would capture them again each time.
         self._kv: KVCache | None = None
 
@@ -135,7 +87,7 @@ class Engine:
         return self.model.cfg
 
     def new_cache(self, max_tokens: int | None = None) -> KVCache:
-        return self.model.new_cache(max_tokens or self.max_tokens)
+        return self.runner.new_cache(max_tokens or self.max_tokens)
 
     def _one_shot_cache(self, need: int) -> KVCache:
         """The engine's own cache, emptied, with room for `need` tokens (allocated anew only to grow)."""
@@ -147,31 +99,8 @@ class Engine:
         return self._kv
 
     def warm_up(self) -> float:
-        """Compile the fused fast path (torch.compile'd regions and Triton kernels, once a process) by generating
-        throwaway replies on caches of their own: a short prompt (prefilled under the sampler's fp32 rule when it
-        is on) and one just past that rule's length (prefilled in the model's dtype), two blocks of three steps
-        each, so that the denoise step with each self-conditioning input and a block's commit run too. Then the
-        graphs tied to those caches are dropped. A server calls it before it takes requests, as vLLM compiles
-        and captures before serving: otherwise the first reply waits for it (on an H200 a 200-token prompt's
-        first reply took 5.4 s against 1.0 for a repeat, 21 s on a fresh machine: bench/results/session23/).
-        Returns the seconds taken; 0.0 off the fused path, where nothing is compiled."""
-        model = self.model
-        if not model.is_fused:
-            return 0.0
-        t0 = time.perf_counter()
-        canvas, vocab = self.config.canvas_length, self.config.vocab_size
-        sampler = self.sampler.replace(max_denoising_steps=3, stop_token_ids=(), empty_reply_retry=0)
-        f32_max = sampler.prefill_f32_max_tokens
-        for n in (min(8, f32_max), f32_max + 1) if f32_max else (8,):
-            ids = [3 + i % (vocab - 3) for i in range(n)]  # past pad, eos and bos
-            kv = model.new_cache(n + 3 * canvas)
-            generate(model, ids, kv, sampler, seed=0, max_new_tokens=2 * canvas)
-            del kv
-        model.release_graphs()
-        if model.device.type == "cuda":
-            torch.cuda.synchronize(model.device)
-            torch.cuda.empty_cache()  # the graphs' pool back to the device, for the memory a server plans
-        return time.perf_counter() - t0
+        """Compile and capture the fast path before the first request (`ModelRunner.warm_up`); seconds taken."""
+        return self.runner.warm_up(self.sampler)
 
     def generate(
         self,
@@ -210,7 +139,7 @@ class Engine:
         # Like any engine with a fixed context: the reply stops at the context's end ("length").
         max_new = min(max_new, kv.max_tokens - kv.length - len(prompt_ids))
         out = generate(
-            self.model, list(prompt_ids), kv, cfg, seed, max_new, on_step, on_block, cancel, logprobs
+            self.runner, list(prompt_ids), kv, cfg, seed, max_new, on_step, on_block, cancel, logprobs
         )
         return self.parse(out)
 
@@ -221,23 +150,29 @@ def load(
     dtype: str | torch.dtype | None = None,
     max_tokens: int | None = None,
     threads: int | None = None,
+    runtime: RuntimeConfig | None = None,
     **sampler_overrides: Any,
 ) -> Engine:
-    """Load a checkpoint directory. device/dtype default to the best available (cuda/mps bf16, cpu fp32);
-    `max_tokens` is the context (prompt + reply), at most the model's max_position_embeddings. On CPU, torch's
-    threads are set by `set_cpu_threads` (`threads` overrides its choice)."""
+    """Load a checkpoint directory and set up its runner. `runtime` says how the model runs (device, dtype,
+    kernels, compile, graphs; without it, the `DIFFGEMMA_*` variables and the defaults), and device, dtype and
+    threads given here win over it: by default the best device, bf16 on a GPU and fp32 on CPU, and on CPU torch's threads
+    set by `runner.devices.set_cpu_threads`. `max_tokens` is the context (prompt + reply), at most the model's
+    max_position_embeddings."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")
-    device = device or env_str("DEVICE") or best_device()
-    torch_dtype = resolve_dtype(dtype or env_str("DTYPE"), torch.device(device).type)
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    given = {k: v for k, v in dict(device=device, dtype=dtype, threads=threads).items() if v is not None}
+    config = (runtime or load_runtime_config()).replace(**given)
+    torch_device, torch_dtype = device_and_dtype(config)
     cfg = ModelConfig.from_dir(path)
     max_tokens = cfg.context(max_tokens, LOAD_CONTEXT)
-    if torch.device(device).type == "cpu":
-        set_cpu_threads(cfg, threads)
-    model = load_model(path, device, torch_dtype)
+    if torch_device.type == "cpu":
+        set_cpu_threads(cfg, config.threads)
+    model = load_model(path, torch_device, torch_dtype)
     sampler = load_sampler_config(path)
     if sampler_overrides:
         sampler = dataclasses.replace(sampler, **sampler_overrides).validated()
     tokenizer = ChatTokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
-    return Engine(model, sampler, path, max_tokens=max_tokens, tokenizer=tokenizer)
+    return Engine(ModelRunner(model, config), sampler, path, max_tokens=max_tokens, tokenizer=tokenizer)

@@ -6,7 +6,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,7 +15,9 @@ from diffgemma.engine import sampler as S
 from diffgemma.engine.rng import Rng, block_seed
 from diffgemma.kernels import torch_ref as ref_ops
 from diffgemma.model.kv_cache import KVCache
-from diffgemma.model.model import DiffusionGemma
+
+if TYPE_CHECKING:
+    from diffgemma.runner.runner import ModelRunner
 
 MIN_CANVAS = 64  # smallest canvas the empty-reply re-roll and MLX's shrink go down to
 
@@ -88,7 +90,7 @@ class GenerateOutput:
 
 
 def denoise_block(
-    model: DiffusionGemma,
+    model: ModelRunner,
     kv: KVCache,
     cfg: SamplerConfig,
     seed: int,
@@ -127,7 +129,7 @@ def denoise_block(
         if sc_out is None:
             # No graph yet: a buffer in the dtype a graph's would have. Written in fp32 and cast by torch, the SC
             # input was one ulp off the sampler's own rounding in a few elements, so a first request that
-            # captured graphs got other ids than the same request later (bench/results/session17/).
+            # captured graphs got other ids than the same request later (docs/performance.md, "Sampler row pass").
             sc_out = torch.empty(canvas_len, vocab, device=device, dtype=model.dtype)
         stats = S.row_stats(
             logits[0], temp, cfg.sc_sparse, uniforms is not None, sc_out, model.cfg.final_logit_softcapping
@@ -170,7 +172,7 @@ def confidence_cut(tokens: list[int], p_max: list[float], tau: float, stop_ids: 
     return len(tokens)
 
 
-def _prefill(model: DiffusionGemma, ids: list[int], kv: KVCache, cfg: SamplerConfig) -> None:
+def _prefill(model: ModelRunner, ids: list[int], kv: KVCache, cfg: SamplerConfig) -> None:
     if not ids:
         return
     t = torch.tensor([ids], dtype=torch.long)
@@ -181,7 +183,7 @@ def _prefill(model: DiffusionGemma, ids: list[int], kv: KVCache, cfg: SamplerCon
 
 
 def generate(
-    model: DiffusionGemma,
+    model: ModelRunner,
     prompt_ids: list[int],
     kv: KVCache,
     cfg: SamplerConfig,
@@ -276,6 +278,6 @@ def generate(
     return out
 
 
-def _sync(model: DiffusionGemma) -> None:
+def _sync(model: ModelRunner) -> None:
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from diffgemma.config import SamplerConfig
-from diffgemma.kernels import cuda as fast_ops
+from diffgemma.kernels import dispatch
 from diffgemma.kernels import torch_ref as ref_ops
 
 SC_SPARSE_LOG_RATIO = -10.0  # seed §5: survivors have p >= e^-10 * row max
@@ -45,13 +45,13 @@ def row_stats(
 
     On CUDA one Triton kernel (`kernels.triton_sampler`), which skips the dense probs when they are not needed
     and sc is sparse; else (and after a Triton failure) the torch ops."""
-    ts = fast_ops.triton_sampler_for(logits, softcap is not None)
-    if ts is not None:
-        try:
-            floor = SC_SPARSE_LOG_RATIO if sc_sparse else None
-            return RowStats(*ts.row_stats(logits, temp, floor, need_probs, sc_out, softcap))
-        except Exception as e:  # noqa: BLE001 - any failure: the torch ops from then on, loudly
-            fast_ops.triton_failed("triton_sampler", e)
+    if triton_rows(logits, softcap is not None):
+        floor = SC_SPARSE_LOG_RATIO if sc_sparse else None
+        out = dispatch.attempt(
+            "triton_sampler", lambda m: m.row_stats(logits, temp, floor, need_probs, sc_out, softcap), logits
+        )
+        if out is not None:
+            return RowStats(*out)
     if softcap is not None:
         logits = ref_ops.softcap(logits, softcap)
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temp
@@ -63,6 +63,13 @@ def row_stats(
     if sc_out is not None:
         sc = sc_out.copy_(sc)
     return RowStats(probs, sc, entropy, argmax, p_max)
+
+
+def triton_rows(logits: torch.Tensor, softcapped_here: bool = False) -> bool:
+    """Whether the Triton row pass takes these rows: 2-D with unit column stride, fp32 (any float dtype when the
+    kernel softcaps them)."""
+    dtype_ok = logits.dtype == torch.float32 or (softcapped_here and logits.dtype.is_floating_point)
+    return dtype_ok and logits.dim() == 2 and logits.stride(1) == 1
 
 
 def accept_mask(entropy: torch.Tensor, bound: float) -> torch.Tensor:

@@ -7,15 +7,13 @@ edges."""
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-# The interpreter runs no PTX.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+from diffgemma.kernels.dispatch import INTERPRET
 
 
 @functools.cache
@@ -25,7 +23,7 @@ def _capable(index: int) -> bool:
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL (their PDL constexpr and `launch_pdl`)."""
-    return not _INTERPRETED and device.type == "cuda" and _capable(device.index or 0)
+    return not INTERPRET and device.type == "cuda" and _capable(device.index or 0)  # the interpreter: no PTX
 
 
 @triton.jit

@@ -92,11 +92,61 @@ def router_input(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tens
 def route_weights(
     logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`route`'s second half: (weights [N, k] fp32, expert ids [N, k]) from the router's logits."""
+    """`route`'s second half: (weights [N, k] fp32, expert ids [N, k]) from the router's logits. Equal
+    probabilities go to the lower expert index (seed §2.1, as the Triton kernel picks them): a stable sort, where
+    torch.topk's order among ties is unspecified."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, k=top_k, dim=-1)
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
     weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights * per_expert_scale[ids], ids
+
+
+def sort_pairs(ids: torch.Tensor, n_exp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (row, j) pairs of ids [N, k] sorted by expert, as torch.sort(ids.flatten(), stable=True) orders them:
+    (bounds int32 [E + 1], expert e owning sorted pairs bounds[e]:bounds[e+1]; perm, each sorted pair's flat
+    index; slot, its inverse). A counting sort on the one-hot [N*k, E]: no host read, no sort kernel."""
+    flat = ids.reshape(-1)
+    onehot = (flat[:, None] == torch.arange(n_exp, device=flat.device)[None, :]).to(torch.int32)
+    counts = onehot.sum(0)
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    rank = torch.cumsum(onehot, dim=0).gather(1, flat[:, None].long())[:, 0] - 1
+    slot = (offs - counts)[flat.long()] + rank
+    perm = torch.empty_like(slot)
+    perm[slot] = torch.arange(flat.shape[0], device=flat.device, dtype=slot.dtype)
+    return F.pad(offs, (1, 0)), perm, slot
+
+
+def experts_sorted(
+    x: torch.Tensor,
+    perm: torch.Tensor,
+    bounds: torch.Tensor,
+    k: int,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """Each expert's output for its pairs, in sorted pair order: y [N*k, H] in x's dtype, where sorted pair i is
+    row perm[i] // k through expert e for bounds[e] <= i < bounds[e+1]: down(gelu_tanh(gate) * up), unweighted
+    (the combine weights and sums them)."""
+    y = x.new_empty(perm.shape[0], x.shape[1])
+    edges = bounds.tolist()
+    for e in range(gate_up.shape[0]):
+        a, b = edges[e], edges[e + 1]
+        if a == b:
+            continue
+        gate, up = F.linear(x[perm[a:b] // k], gate_up[e].to(x.dtype)).chunk(2, dim=-1)
+        y[a:b] = F.linear(gelu_tanh(gate) * up, down[e].to(x.dtype))
+    return y
+
+
+def sum_sorted_pairs(y: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The experts' output rows y [N*k, H], in expert-sorted pair order (perm: each sorted pair's flat (row, j)
+    index), put back in (row, j) order, weighted by weights [N, k] and summed per row in fp32: [N, H] fp32,
+    deterministic (no atomics)."""
+    n, k = weights.shape
+    unsorted = torch.empty_like(y)
+    unsorted[perm] = y
+    return (unsorted.view(n, k, -1).float() * weights.reshape(n, k, 1).float()).sum(1)
 
 
 def moe_experts(

@@ -25,7 +25,6 @@ and read back.) H and I are compile-time constants (one compile per model shape)
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +33,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from diffgemma.kernels import pdl
-from diffgemma.kernels.cuda import sum_sorted_pairs
+from diffgemma.kernels.dispatch import INTERPRET
+from diffgemma.kernels.torch_ref import sum_sorted_pairs
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ DENOISE_MAX_PAIRS_PER_EXPERT = 32
 
 # The interpreter multiplies bf16 operands of tl.dot as their raw uint16 bits; under it the operands go to
 # the dot as fp32 (exact products, so the interpreter still checks the kernels' indexing and rounding).
-_UPCAST_DOT = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+_UPCAST_DOT = INTERPRET
 
 
 @triton.jit

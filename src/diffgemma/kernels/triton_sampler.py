@@ -28,13 +28,13 @@ at the real shape: 134 MB read, 268 MB written) and half the bytes for this kern
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from diffgemma.kernels.dispatch import INTERPRET
 
 # Programs a row, columns a step, warps: on the H200 at [256, 262,144] bf16 rows with the softcap, SC into bf16
 # (bench/results/session24/): 194.6 us a call against 298.5 for one program a row of 2,048 x 8 warps (the kernel
@@ -48,7 +48,7 @@ NUM_WARPS = 4
 
 # Triton 3.6's interpreter has no libdevice (its functions return None): there tanh comes from exp, within fp32
 # ulps of it, which the interpreter tests allow for.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+_INTERPRET = INTERPRET
 
 
 @triton.jit

@@ -25,11 +25,15 @@ from diffgemma.server.metrics import Metrics
 from diffgemma.server.registry import Registry
 from diffgemma.server.reqlog import RequestLog
 from diffgemma.server.schema import (
+    ChatCompletionBody,
     ChatRequest,
+    CompletionBody,
     CompletionRequest,
+    openapi_schemas,
     parse_body,
     parse_chat,
     parse_completion,
+    request_body,
     resolve_model,
 )
 from diffgemma.server.worker import Channel, QueueFull, Worker
@@ -116,6 +120,16 @@ def create_app(
                 request_log.close()
 
     app = FastAPI(title="diffgemma", lifespan=lifespan, docs_url=None, redoc_url=None)
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document, plus the request bodies' schemas that the completion routes refer to."""
+        if app.openapi_schema is None:
+            spec = default_openapi()  # caches it in app.openapi_schema
+            spec.setdefault("components", {}).setdefault("schemas", {}).update(openapi_schemas())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     app.add_middleware(_MetricsMiddleware, metrics=metrics)
     app.state.registry, app.state.worker, app.state.metrics = registry, worker, metrics
     app.state.model_id, app.state.ctx = model_id, ctx
@@ -301,12 +315,13 @@ def create_app(
                 error = "client disconnected"
             record(kind, rid, req, 200, started, done, error, body)
 
-    @app.post("/v1/chat/completions")
+    # The bodies are read by hand (parse_body, then the models), so the routes declare them for the document.
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionBody))
     async def chat_completions(request: Request) -> Any:
         started = time.perf_counter()
         check_auth(request)
         body = await read_json(request)
-        req = parse_chat(body, model_id)
+        req = parse_chat(body, model_id, engine.sampler)
         ids, forced, tools, max_new = await run_in_threadpool(chat_prompt, req)
         channel, cancel = Channel(), CancelToken()
         submit(ChatJob(req, ids, forced, max_new, tok, tools, metrics, channel, cancel))
@@ -319,12 +334,12 @@ def create_app(
         record("chat", rid, req, 200, started, done, None, body)
         return R.chat_completion(rid, req.model, deltas, done, tok)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionBody))
     async def completions(request: Request) -> Any:
         started = time.perf_counter()
         check_auth(request)
         body = await read_json(request)
-        req = parse_completion(body, model_id)
+        req = parse_completion(body, model_id, engine.sampler)
         ids, max_new = await run_in_threadpool(completion_prompt, req)
         channel, cancel = Channel(), CancelToken()
         submit(CompletionJob(req, ids, max_new, tok, metrics, channel, cancel))

@@ -17,6 +17,7 @@ from typing import Any
 
 from diffgemma.chat.parser import BadCall, Content, Event, Reasoning, StreamParser, ToolCall, coalesce
 from diffgemma.chat.tokenizer import ChatTokenizer
+from diffgemma.config import SamplerConfig
 from diffgemma.engine.generate import CancelToken, GenerateOutput, TokenLogprob
 from diffgemma.server.errors import APIError
 from diffgemma.server.metrics import Metrics
@@ -153,10 +154,19 @@ class _Base:
         on_block,
         cancel: CancelToken,
         logprobs: int | None = None,
+        sampler: SamplerConfig | None = None,
     ) -> tuple[GenerateOutput, Conversation]:
+        # Without sampler fields in the request, the call is exactly the engine's default one.
+        own = {} if sampler is None else {"sampler": sampler}
         try:
             out, conv = registry.generate(
-                ids, max_new_tokens=max_tokens, seed=seed, on_block=on_block, cancel=cancel, logprobs=logprobs
+                ids,
+                max_new_tokens=max_tokens,
+                seed=seed,
+                on_block=on_block,
+                cancel=cancel,
+                logprobs=logprobs,
+                **own,
             )
         except ValueError as exc:  # the engine's own checks (context) after the server's
             raise APIError(400, str(exc), code="context_length_exceeded") from None
@@ -315,6 +325,7 @@ class ChatJob(_Base):
             lambda ids: handle(parser.feed(ids)),
             cancel,
             self.req.logprobs,
+            self.req.sampler,
         )
         handle(parser.finish(out.finish_reason))
         tail = stops.flush()
@@ -413,7 +424,14 @@ class CompletionJob(_Base):
                 cancel.cancel()
 
         out, _ = self._generate(
-            registry, self.ids, self.max_new, self.req.seed, on_block, cancel, self.req.logprobs
+            registry,
+            self.ids,
+            self.max_new,
+            self.req.seed,
+            on_block,
+            cancel,
+            self.req.logprobs,
+            self.req.sampler,
         )
         text = self._decode(generated)
         piece = stops.push(text[sent:]) + stops.flush()

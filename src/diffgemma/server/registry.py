@@ -77,7 +77,7 @@ class Registry:
             return self._touch(self._blank(keep=best))
         fork = self._blank(keep=best)
         copy_prefix(best.kv, fork.kv, shared)
-        self.engine.model.rewind(fork.kv, shared)  # the copy's last chunk as a prefill of its own tokens
+        self.engine.runner.rewind(fork.kv, shared)  # the copy's last chunk as a prefill of its own tokens
         return self._touch(fork)
 
     def generate(self, ids: list[int], **kwargs: Any) -> tuple[GenerateOutput, Conversation]:
@@ -107,9 +107,9 @@ class Registry:
 
 def prefill(engine: Engine, ids: list[int], kv: KVCache) -> None:
     """Extend `kv` by `ids` with the engine's prefill precision policy (short prompts in fp32)."""
-    cfg, model = engine.sampler, engine.model
-    f32 = 0 < len(ids) <= cfg.prefill_f32_max_tokens and model.dtype != torch.float32
-    model.prefill(torch.tensor([ids], dtype=torch.long), kv, compute_dtype=torch.float32 if f32 else None)
+    cfg, runner = engine.sampler, engine.runner
+    f32 = 0 < len(ids) <= cfg.prefill_f32_max_tokens and runner.dtype != torch.float32
+    runner.prefill(ids, kv, compute_dtype=torch.float32 if f32 else None)
 
 
 def copy_prefix(src: KVCache, dst: KVCache, n: int) -> None:

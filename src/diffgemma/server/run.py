@@ -71,7 +71,7 @@ def serve(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx = ModelConfig.from_dir(model_path).context(ctx, SERVE_CONTEXT)
     engine = load(model_path, device=device, dtype=dtype, max_tokens=ctx, threads=threads)
-    if engine.model.is_fused:
+    if engine.runner.fast:
         log.info("warming up: compiling kernels and capturing CUDA graphs before the first request")
         log.info("warm-up done in %.1f s", engine.warm_up())
     ctx, conversations = plan_memory(engine, ctx, max_conversations)

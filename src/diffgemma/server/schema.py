@@ -1,24 +1,70 @@
-"""Validation of OpenAI request bodies into plain dataclasses; every problem is a 400 (or 404 for the model).
+"""OpenAI request bodies: pydantic models that declare their shape (and /openapi.json), validated into the plain
+dataclasses the routes and jobs use; every problem is a 400 naming the field (or a 404 for the model).
 
-Unknown fields are ignored, as the OpenAI API does. `temperature` and `top_p` are accepted but do not apply:
-the entropy-bound sampler has no sampling temperature a client could set. The body must be plain JSON (no
-NaN or Infinity), valid Unicode (no lone surrogates) and at most MAX_DEPTH levels deep.
+Unknown fields are ignored, as the OpenAI API does, and a top-level `null` is the field left out. `temperature`
+and `top_p` are accepted but do not apply: the entropy-bound sampler has no sampling temperature a client could
+set; its own settings (`SamplerFields`) may be set per request instead. The body must be plain JSON (no NaN or
+Infinity), valid Unicode (no lone surrogates) and at most MAX_DEPTH levels deep: `parse_body` checks that before
+any model sees it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationError,
+    ValidationInfo,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import models_json_schema
+from pydantic_core import ErrorDetails, PydanticCustomError
+
+from diffgemma.config import ConfigError, SamplerConfig
 from diffgemma.server.errors import APIError, invalid
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+ROLES = get_args(Role)
 DEFAULT_SEED = 42
 MAX_STOP = 16
 MAX_DEPTH = 64  # nesting levels of a request body: deeper is refused before anything walks it
 MAX_TOP_LOGPROBS = 20
 THINKING_EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
+MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio", "file")
+ROLE_FIELDS = {
+    "assistant": {"tool_calls", "reasoning_content"},
+    "tool": {"tool_call_id"},
+}  # only they read them
+# A client's sampler may cost more than the server's, but not without bound: a block's noise for every step is
+# drawn up front, and each retry of an empty first block denoises a whole canvas again. Step counts above a
+# block's steps mean "never"; bounded, they also fit the tensors the stop rules compare them with.
+MAX_STEPS = 512
+MAX_EMPTY_REPLY_RETRY = 8
+# SamplerConfig fields that the server owns: its stop tokens and pad id are the model's, `max_tokens` is the length.
+REFUSED_FIELDS = {
+    "stop_token_ids": "the model's own stop tokens end a reply; use 'stop' for stop strings",
+    "pad_token_id": "the pad token is the model's own",
+    "max_new_tokens": "use 'max_tokens' (or 'max_completion_tokens')",
+    # the cache is shared: a prefix prefilled at one request's precision would be reused by the next requests
+    "prefill_f32_max_tokens": "the prefill's precision is the server's (cached prefixes are shared by requests)",
+}
+PLACED = "invalid_request"  # our own error type: the message is ours and `at` says where, below its location
+MODEL_NOT_FOUND = "model_not_found"
+REF = "#/components/schemas/{model}"
+
+
+# ---------------------------------------------------------------------------------------------
+# What the routes and jobs use.
 
 
 @dataclass
@@ -38,6 +84,7 @@ class GenParams:
     stream: bool
     include_usage: bool
     logprobs: int | None = None  # None: not asked; k: each token's log probability and its top k alternatives
+    sampler: SamplerConfig | None = None  # None: the engine's own (the request set no sampler field)
 
 
 @dataclass
@@ -53,6 +100,10 @@ class ChatRequest(GenParams):
 class CompletionRequest(GenParams):
     prompt: str | list[int] = ""
     echo: bool = False
+
+
+# ---------------------------------------------------------------------------------------------
+# The raw body.
 
 
 def _no_constant(name: str) -> Any:
@@ -104,19 +155,459 @@ def _check_text(text: str, where: str) -> None:
         raise invalid(f"{where} is not valid Unicode text (a lone surrogate {bad})", param=where) from None
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+# ---------------------------------------------------------------------------------------------
+# Errors: where in the body, in the corpus's style (`messages[1].tool_calls[0].function.arguments`).
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
+def _path(loc: tuple[int | str, ...]) -> str:
+    """A pydantic location as a `param`: keys joined by dots, list indices in brackets."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
 
 
-def _optional(body: dict[str, Any], key: str, check: Any, what: str) -> Any:
-    value = body.get(key)
-    if value is not None and not check(value):
-        raise invalid(f"'{key}' must be {what}", param=key)
-    return value
+def _join(base: str, at: str) -> str:
+    """`base` extended by the path `at` ("messages" + "[2].tool_call_id", "tools[0]" + "function")."""
+    if not at or not base:
+        return base + at
+    return base + at if at.startswith("[") else f"{base}.{at}"
+
+
+def _fail(message: str, at: str = "") -> PydanticCustomError:
+    """A request error at the value being validated, or at `at`, a path below it ("properties.a", "[2].id")."""
+    return PydanticCustomError(PLACED, "{message}", {"message": message, "at": at})
+
+
+def _where(error: ErrorDetails) -> str:
+    """The error's `param`: its location, and for one of ours the path below it that it names."""
+    ctx = error.get("ctx") or {}
+    return _join(_path(error["loc"]), ctx.get("at", "") if error["type"] == PLACED else "")
+
+
+def _detail(error: ErrorDetails) -> str:
+    if error["type"] == PLACED:
+        return error["ctx"]["message"]
+    return error["msg"]
+
+
+def _report_here(what: str, detail: bool = True) -> WrapValidator:
+    """Report a type or shape error anywhere inside this value at the value itself ("must be `what`", with
+    pydantic's own words unless `detail` is False, as for a union), as the API always has for a value it reads
+    as a whole; an error of our own keeps the place it names."""
+
+    def check(value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            error = exc.errors(include_url=False)[0]
+            if error["type"] == PLACED:
+                raise _fail(error["ctx"]["message"], _where(error)) from None
+            inside = _path(error["loc"])
+            why = f" ({inside + ': ' if inside else ''}{error['msg']})" if detail else ""
+            raise _fail(f"must be {what}{why}") from None
+
+    return WrapValidator(check)
+
+
+def _api_error(exc: ValidationError) -> APIError:
+    """The first problem pydantic found (fields are declared in the order the API checks them), as our 400."""
+    error = exc.errors(include_url=False)[0]
+    if error["type"] == MODEL_NOT_FOUND:
+        return APIError(404, error["ctx"]["message"], param="model", code=MODEL_NOT_FOUND)
+    param = _where(error)
+    return invalid(f"'{param}': {_detail(error)}", param=param)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _validate(model: type[M], body: dict[str, Any], model_id: str) -> M:
+    try:
+        return model.model_validate(body, context={"model_id": model_id})
+    except ValidationError as exc:
+        raise _api_error(exc) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks of free-form values, kept by hand: JSON-in-a-string, JSON Schemas, content parts.
+
+
+def _arguments(args: Any) -> str | dict[str, Any]:
+    """A call's arguments: a string that encodes a JSON object (OpenAI's wire form) or the object itself."""
+    if isinstance(args, dict):
+        return args
+    if isinstance(args, str):
+        try:
+            value = json.loads(args, parse_constant=_no_constant)
+        except (ValueError, RecursionError):
+            value = None
+        if isinstance(value, dict):
+            return args
+    raise _fail(f"must be a string that encodes a JSON object, got {json.dumps(args)[:80]}")
+
+
+def _json_schema(schema: Any) -> dict[str, Any] | None:
+    if schema is not None:
+        _check_schema(schema, "")
+    return schema
+
+
+def _check_schema(schema: Any, where: str) -> None:
+    """The parts of a JSON Schema the Gemma 4 template reads, checked for the shapes it reads them in."""
+    if not isinstance(schema, dict):
+        raise _fail("must be an object (a JSON Schema)", where)
+    props = schema.get("properties")
+    if props is not None:
+        if not isinstance(props, dict):
+            raise _fail("must be an object", _join(where, "properties"))
+        for name, sub in props.items():
+            _check_schema(sub, _join(where, f"properties.{name}"))
+    items = schema.get("items")
+    if isinstance(items, list):
+        for j, sub in enumerate(items):
+            _check_schema(sub, _join(where, f"items[{j}]"))
+    elif items is not None:
+        _check_schema(items, _join(where, "items"))
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
+    if kind is not None and not all(isinstance(t, str) for t in kinds):
+        raise _fail("must be a string or a list of strings", _join(where, "type"))
+    required = schema.get("required")
+    if required is not None and (
+        not isinstance(required, list) or not all(isinstance(r, str) for r in required)
+    ):
+        raise _fail("must be a list of strings", _join(where, "required"))
+    if schema.get("enum") is not None and not isinstance(schema["enum"], list):
+        raise _fail("must be a list", _join(where, "enum"))
+    if schema.get("description") is not None and not isinstance(schema["description"], str):
+        raise _fail("must be a string", _join(where, "description"))
+
+
+def _content(content: Any) -> str | list[dict[str, str]] | dict[str, Any] | None:
+    """A message's content: text, text parts (as `{"type": "text", "text"}`), or a tool result's object (which
+    only a tool message may send: `Message` checks the role)."""
+    if content is None or isinstance(content, str | dict):
+        return content
+    if not isinstance(content, list):
+        raise _fail("must be a string or a list of content parts")
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise _fail(f"part {j} must be an object")
+        kind = part.get("type")
+        if kind not in ("text", "input_text"):
+            raise _fail(f"part {j} has unknown type {kind!r}")
+        if not isinstance(part.get("text"), str):
+            raise _fail(f"part {j}: 'text' must be a string")
+        parts.append({"type": "text", "text": part["text"]})
+    return parts
+
+
+def _string_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+# A field the template reads only when it is a string: anything else is ignored, as it always was.
+LenientStr = Annotated[str | None, BeforeValidator(_string_or_none)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The request shape.
+
+
+class _Shape(BaseModel):
+    """Strict JSON types (no "10" for an integer, no 1 for a boolean); unknown fields are ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Shape):
+    type: Literal["text", "input_text"]
+    text: str
+
+
+class CallFunction(_Shape):
+    name: NonEmptyStr
+    arguments: Annotated[
+        str | dict[str, Any], PlainValidator(_arguments, json_schema_input_type=str | dict[str, Any])
+    ] = Field("{}", description="a JSON object, or a string that encodes one")
+
+
+class ToolCall(_Shape):
+    """A call of an earlier assistant turn, sent back (its `type` is not read)."""
+
+    id: str | None = None
+    function: CallFunction
+
+    def for_template(self) -> dict[str, Any]:
+        fn = self.function
+        return {"id": self.id, "type": "function", "function": {"name": fn.name, "arguments": fn.arguments}}
+
+
+Content = Annotated[
+    str | list[dict[str, str]] | dict[str, Any] | None,
+    PlainValidator(_content, json_schema_input_type=str | list[TextPart] | dict[str, Any] | None),
+]
+ToolCalls = Annotated[list[Annotated[ToolCall, _report_here("a function call")]], _report_here("a list")]
+
+
+class Message(_Shape):
+    """One chat message (text only). What its role does not read is ignored, such as a user message's
+    `tool_calls`; content may be left out only by an assistant, and be an object only in a tool result."""
+
+    role: Role
+    content: Content = None
+    name: LenientStr = None
+    tool_calls: ToolCalls | None = None
+    tool_call_id: LenientStr = Field(None, description="the call a tool message answers")
+    reasoning_content: LenientStr = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_by_role(cls, data: Any) -> Any:
+        """Refuse media (reported at the message) and drop the fields its role does not read."""
+        if not isinstance(data, dict):
+            return data
+        content = data.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in MEDIA_PARTS:
+                raise _fail(f"content[{j}]: '{kind}' input is not supported (text only)")
+        role = data.get("role")
+        reads = ROLE_FIELDS.get(role, set()) if isinstance(role, str) else set()
+        unread = (ROLE_FIELDS["assistant"] | ROLE_FIELDS["tool"]) - reads
+        if not data.get("tool_calls"):
+            unread.add("tool_calls")  # an empty list is no calls
+        return {k: v for k, v in data.items() if k not in unread}
+
+    @model_validator(mode="after")
+    def _role_rules(self) -> Message:
+        if self.content is None and self.role != "assistant":
+            raise _fail(f"a {self.role} message needs content", "content")
+        if isinstance(self.content, dict) and self.role != "tool":
+            raise _fail("must be a string or a list of content parts", "content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise _fail("a tool message needs a 'tool_call_id'", "tool_call_id")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        m: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            m["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.reasoning_content:
+            m["reasoning_content"] = self.reasoning_content
+        if self.tool_call_id:
+            m["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            m["name"] = self.name
+        return m
+
+
+class FunctionDef(_Shape):
+    name: NonEmptyStr
+    description: str | None = None
+    parameters: Annotated[
+        dict[str, Any] | None, PlainValidator(_json_schema, json_schema_input_type=dict[str, Any] | None)
+    ] = Field(None, description="a JSON Schema of the arguments")
+
+
+class Tool(_Shape):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Shape):
+    name: str
+
+
+class NamedToolChoice(_Shape):
+    """`{"type": "function", "function": {"name": ...}}` (its `type` is not read)."""
+
+    function: NamedFunction
+
+
+class StreamOptions(_Shape):
+    include_usage: bool | None = None
+
+
+class ResponseFormat(_Shape):
+    """`json_object` and `json_schema` ask for a JSON object (a schema is not checked beyond that)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatTemplateKwargs(_Shape):
+    enable_thinking: bool | None = None
+
+
+TOOL_CHOICES = "'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}"
+Stop = Annotated[
+    NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)],
+    _report_here(f"a non-empty string or a list of at most {MAX_STOP} of them", detail=False),
+]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+def _batch_of_one(prompt: Any) -> Any:
+    ok = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list)
+    return prompt[0] if ok else prompt
+
+
+Prompt = Annotated[
+    NonEmptyStr | TokenIds,
+    BeforeValidator(_batch_of_one),
+    _report_here("a non-empty string or a list of token ids", detail=False),
+]
+
+
+class SamplerFields(_Shape):
+    """The entropy-bound sampler's settings for this request (diffgemma.SamplerConfig); a field left out keeps
+    the server's value, and the config's own rules (`validated()`) apply to the result."""
+
+    entropy_bound: float | None = Field(
+        None,
+        description="nats: a step keeps its lowest-entropy rows while their summed entropy is within this",
+    )
+    max_denoising_steps: int | None = Field(None, le=MAX_STEPS, description="steps a block may take at most")
+    t_min: float | None = Field(None, description="the temperature schedule's low end (the last steps)")
+    t_max: float | None = Field(None, description="the temperature schedule's high end (the first step)")
+    stability_threshold: int | None = Field(
+        None, le=MAX_STEPS, description="steps the argmax must hold unchanged before a block stops"
+    )
+    confidence_threshold: float | None = Field(
+        None, description="a stable block stops once its mean entropy is below this"
+    )
+    denoiser_argmax: bool | None = Field(None, description="renoise from the argmax, not a tempered draw")
+    first_step_sc_seed: bool | None = Field(None, description="step 1 self-conditions on the canvas itself")
+    plateau_steps: int | None = Field(
+        None, le=MAX_STEPS, description="stop once the accepted rows are unchanged this many steps (0: off)"
+    )
+    plateau_mean_entropy: float | None = Field(None, description="... and mean entropy is below this")
+    pad_gate: bool | None = Field(None, description="an all-pad canvas never stops early")
+    canvas_shrink: bool | None = Field(
+        None, description="shrink the last canvas to what is left (64 at least)"
+    )
+    sc_sparse: bool | None = Field(None, description="self-conditioning keeps only the likely tokens")
+    entropy_stop: float | None = Field(
+        None, description="stop a block when mean entropy is below this (0: off)"
+    )
+    entropy_stop_min_steps: int | None = Field(None, le=MAX_STEPS, description="... after this many steps")
+    empty_reply_retry: int | None = Field(
+        None, le=MAX_EMPTY_REPLY_RETRY, description="re-rolls of a first block that opens on a stop token"
+    )
+    commit_conf_trim: float | None = Field(
+        None, description="cut a block at its first unsure duplicated row, below this confidence (0: off)"
+    )
+
+    def sampler_changes(self) -> dict[str, Any]:
+        """The sampler fields this request set."""
+        return {k: getattr(self, k) for k in SamplerFields.model_fields if getattr(self, k) is not None}
+
+
+class _GenBody(_Shape):
+    """What chat and raw completions share."""
+
+    model: str | None = Field(
+        None, description="the served model's id, optionally with ':think' or ':think=false'"
+    )
+    n: int = Field(1, description="must be 1")
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="wins over 'max_tokens'")
+    seed: int = DEFAULT_SEED
+    temperature: float | None = Field(None, description="accepted, not applied")
+    top_p: float | None = Field(None, description="accepted, not applied")
+    stream: bool = False
+    stream_options: Annotated[StreamOptions, _report_here("an object")] | None = None
+    stop: Stop | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_and_owned_fields(cls, data: Any) -> Any:
+        """A top-level null is the field left out; the sampler fields the server owns are refused."""
+        if not isinstance(data, dict):
+            return data
+        for key, why in REFUSED_FIELDS.items():
+            if data.get(key) is not None:
+                raise _fail(f"is not accepted here: {why}", key)
+        return {k: v for k, v in data.items() if v is not None}
+
+    @field_validator("model")
+    @classmethod
+    def _served(cls, model: str, info: ValidationInfo) -> str:
+        try:
+            resolve_model(model, info.context["model_id"])
+        except APIError as exc:
+            raise PydanticCustomError(MODEL_NOT_FOUND, "{message}", {"message": exc.message}) from None
+        return model
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, n: int) -> int:
+        if n != 1:
+            raise _fail("only n=1 is supported")
+        return n
+
+
+class ChatCompletionBody(SamplerFields, _GenBody):
+    """The body of POST /v1/chat/completions."""
+
+    messages: Annotated[list[Annotated[Message, _report_here("a message")]], Field(min_length=1)]
+    tools: list[Annotated[Tool, _report_here("a function tool")]] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="needs 'logprobs': true")
+    tool_choice: Annotated[
+        Literal["auto", "none", "required"] | NamedToolChoice, _report_here(TOOL_CHOICES, detail=False)
+    ] = "auto"
+    response_format: Annotated[ResponseFormat, _report_here("an object with a known 'type'")] | None = None
+    chat_template_kwargs: Annotated[ChatTemplateKwargs, _report_here("an object")] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _results_answer_calls(cls, messages: list[Message]) -> list[Message]:
+        """A tool message answers a call of the assistant message it follows (after that message's other
+        results), as the OpenAI API requires; the template renders it inside that assistant's turn."""
+        for i, message in enumerate(messages):
+            if message.role != "tool":
+                continue
+            j = i - 1
+            while j >= 0 and messages[j].role == "tool":
+                j -= 1
+            calls = (messages[j].tool_calls or []) if j >= 0 and messages[j].role == "assistant" else []
+            at = f"[{i}].tool_call_id"
+            if not calls:
+                raise _fail("a tool message must follow an assistant message with 'tool_calls'", at)
+            if message.tool_call_id not in {c.id for c in calls}:
+                raise _fail(f"{message.tool_call_id!r} matches no call of messages[{j}].tool_calls", at)
+        return messages
+
+    @model_validator(mode="after")
+    def _choices_fit(self) -> ChatCompletionBody:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _fail("needs 'logprobs': true", "top_logprobs")
+        names = {t.function.name for t in self.tools or []}
+        choice = self.tool_choice
+        if choice == "required" and not names:
+            raise _fail("'required' needs 'tools'", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise _fail(
+                f"names the function {choice.function.name!r}, which is not in 'tools'", "tool_choice"
+            )
+        return self
+
+
+class CompletionBody(SamplerFields, _GenBody):
+    """The body of POST /v1/completions."""
+
+    prompt: Prompt = Field(description="text, or token ids; a batch of one of either")
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives a token")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bodies into requests.
 
 
 def resolve_model(requested: Any, model_id: str) -> tuple[str, bool | None]:
@@ -138,323 +629,89 @@ def resolve_model(requested: Any, model_id: str) -> tuple[str, bool | None]:
     return requested, think
 
 
-def _common(body: dict[str, Any], model_id: str) -> tuple[GenParams, bool | None]:
-    model, think = resolve_model(body.get("model"), model_id)
-    n = _optional(body, "n", _is_int, "an integer")
-    if n is not None and n != 1:
-        raise invalid("only n=1 is supported", param="n")
-    max_tokens = None
-    for key in ("max_tokens", "max_completion_tokens"):  # the newer name wins when both are given
-        value = _optional(body, key, _is_int, "an integer")
-        if value is not None:
-            if value < 1:
-                raise invalid(f"'{key}' must be at least 1, got {value}", param=key)
-            max_tokens = value
-    seed = _optional(body, "seed", _is_int, "an integer")
-    for key in ("temperature", "top_p"):  # accepted, not applied (see module docstring)
-        _optional(body, key, _is_number, "a number")
-    stream = _optional(body, "stream", lambda v: isinstance(v, bool), "a boolean") or False
-    options = _optional(body, "stream_options", lambda v: isinstance(v, dict), "an object") or {}
-    include_usage = options.get("include_usage") or False
-    if not isinstance(include_usage, bool):
-        raise invalid("'stream_options.include_usage' must be a boolean", param="stream_options")
+def request_sampler(body: SamplerFields, base: SamplerConfig) -> SamplerConfig | None:
+    """`base` with the request's sampler fields, or None when it set none; a result the config's rules refuse
+    is a 400 naming the field its rule names."""
+    changes = body.sampler_changes()
+    if not changes:
+        return None
+    try:
+        return base.replace(**changes)
+    except ConfigError as exc:
+        # A rule's message names its fields ("need 0 <= t_min < t_max"): blame the first one the request set.
+        param = next((k for k in changes if re.search(rf"\b{k}\b", str(exc))), next(iter(changes)))
+        raise invalid(f"'{param}': {exc}", param=param) from None
+
+
+def _common(
+    body: ChatCompletionBody | CompletionBody, model_id: str, sampler: SamplerConfig
+) -> tuple[GenParams, bool | None]:
+    model, think = resolve_model(body.model, model_id)
+    stop = [] if body.stop is None else body.stop
     params = GenParams(
         model=model,
-        max_tokens=max_tokens,
-        seed=DEFAULT_SEED if seed is None else seed,
-        stop=_stop(body.get("stop")),
-        stream=stream,
-        include_usage=include_usage,
+        max_tokens=body.max_completion_tokens or body.max_tokens,  # the newer name wins when both are given
+        seed=body.seed,
+        stop=[stop] if isinstance(stop, str) else stop,
+        stream=body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        sampler=request_sampler(body, sampler),
     )
     return params, think
 
 
-def _top_k(value: Any, key: str) -> int:
-    if not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS:
-        raise invalid(f"'{key}' must be an integer from 0 to {MAX_TOP_LOGPROBS}", param=key)
-    return value
-
-
-def _chat_logprobs(body: dict[str, Any]) -> int | None:
-    """Chat: `logprobs: true` asks for them, `top_logprobs` for that many alternatives a token."""
-    asked = _optional(body, "logprobs", lambda v: isinstance(v, bool), "a boolean")
-    top = body.get("top_logprobs")
-    if top is not None:
-        top = _top_k(top, "top_logprobs")
-        if not asked:
-            raise invalid("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    return (top or 0) if asked else None
-
-
-def _completion_logprobs(body: dict[str, Any]) -> int | None:
-    """Completions: `logprobs: k` asks for each token's log probability and its top k alternatives."""
-    value = body.get("logprobs")
-    return None if value is None else _top_k(value, "logprobs")
-
-
-def _stop(value: Any) -> list[str]:
-    if value is None:
-        return []
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise invalid("'stop' must be a non-empty string or a list of them", param="stop")
-    if len(stops) > MAX_STOP:
-        raise invalid(f"'stop' holds at most {MAX_STOP} sequences", param="stop")
-    return stops
-
-
-def _text_parts(content: list[Any], where: str) -> list[dict[str, str]]:
-    parts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict):
-            raise invalid(f"{where}.content[{j}] must be an object", param=f"{where}.content")
-        kind = part.get("type")
-        if kind in ("text", "input_text"):
-            if not isinstance(part.get("text"), str):
-                raise invalid(f"{where}.content[{j}].text must be a string", param=f"{where}.content")
-            parts.append({"type": "text", "text": part["text"]})
-        elif kind in ("image_url", "input_image", "image", "input_audio", "audio", "file"):
-            raise invalid(f"{where}.content[{j}]: '{kind}' input is not supported (text only)", param=where)
-        else:
-            raise invalid(f"{where}.content[{j}] has unknown type {kind!r}", param=f"{where}.content")
-    return parts
-
-
-def _content(message: dict[str, Any], where: str, required: bool) -> Any:
-    content = message.get("content")
-    if content is None:
-        if required:
-            raise invalid(f"{where}.content is required", param=f"{where}.content")
-        return None
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return _text_parts(content, where)
-    if isinstance(content, dict) and message.get("role") == "tool":
-        return content  # a JSON object result renders as a mapping
-    raise invalid(f"{where}.content must be a string or a list of content parts", param=f"{where}.content")
-
-
-def _arguments(args: Any, where: str) -> str | dict[str, Any]:
-    """A call's arguments: a string that encodes a JSON object (OpenAI's wire form) or the object itself."""
-    if isinstance(args, dict):
-        return args
-    if isinstance(args, str):
-        try:
-            value = json.loads(args, parse_constant=_no_constant)
-        except (ValueError, RecursionError):
-            value = None
-        if isinstance(value, dict):
-            return args
-    raise invalid(
-        f"{where} must be a string that encodes a JSON object, got {json.dumps(args)[:80]}", param=where
-    )
-
-
-def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
-    if not isinstance(calls, list):
-        raise invalid(f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
-    out = []
-    for j, call in enumerate(calls):
-        w = f"{where}.tool_calls[{j}]"
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise invalid(f"{w}.function.name must be a non-empty string", param=w)
-        args = _arguments(fn.get("arguments", "{}"), f"{w}.function.arguments")
-        call_id = call.get("id")
-        if call_id is not None and not isinstance(call_id, str):
-            raise invalid(f"{w}.id must be a string", param=w)
-        out.append({"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": args}})
-    return out
-
-
-def parse_messages(messages: Any) -> list[dict[str, Any]]:
-    if messages is None:
-        raise invalid("'messages' is required", param="messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("'messages' must be a non-empty list", param="messages")
-    out: list[dict[str, Any]] = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise invalid(f"{where} must be an object", param=where)
-        role = message.get("role")
-        if role not in ROLES:
-            raise invalid(f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})", param=where)
-        m: dict[str, Any] = {"role": role}
-        if role == "assistant":
-            if message.get("tool_calls"):
-                m["tool_calls"] = _tool_calls(message["tool_calls"], where)
-            m["content"] = _content(message, where, required=False)
-            reasoning = message.get("reasoning_content")
-            if isinstance(reasoning, str) and reasoning:
-                m["reasoning_content"] = reasoning
-        else:
-            m["content"] = _content(message, where, required=True)
-        if role == "tool":
-            if not isinstance(message.get("tool_call_id"), str) or not message["tool_call_id"]:
-                raise invalid(
-                    f"{where}: a tool message needs a 'tool_call_id'", param=f"{where}.tool_call_id"
-                )
-            m["tool_call_id"] = message["tool_call_id"]
-            _check_answers_a_call(out, m["tool_call_id"], where)
-        if isinstance(message.get("name"), str):
-            m["name"] = message["name"]
-        out.append(m)
-    return out
-
-
-def _check_answers_a_call(earlier: list[dict[str, Any]], call_id: str, where: str) -> None:
-    """A tool message answers a call of the assistant message it follows (after that message's other
-    results), as the OpenAI API requires; the template renders it inside that assistant's turn."""
-    j = len(earlier) - 1
-    while j >= 0 and earlier[j]["role"] == "tool":
-        j -= 1
-    calls = (earlier[j].get("tool_calls") or []) if j >= 0 and earlier[j]["role"] == "assistant" else []
-    if not calls:
-        raise invalid(
-            f"{where}: a tool message must follow an assistant message with 'tool_calls'",
-            param=f"{where}.tool_call_id",
-        )
-    if call_id not in {c["id"] for c in calls}:
-        raise invalid(
-            f"{where}.tool_call_id {call_id!r} matches no call of messages[{j}].tool_calls",
-            param=f"{where}.tool_call_id",
-        )
-
-
-def parse_tools(tools: Any) -> list[dict[str, Any]] | None:
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise invalid("'tools' must be a list", param="tools")
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if (
-            not isinstance(tool, dict)
-            or tool.get("type", "function") != "function"
-            or not isinstance(fn, dict)
-        ):
-            raise invalid(f"tools[{i}] must be a function tool", param=f"tools[{i}]")
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise invalid(f"tools[{i}].function.name must be a non-empty string", param=f"tools[{i}]")
-        if fn.get("description") is not None and not isinstance(fn["description"], str):
-            raise invalid(f"tools[{i}].function.description must be a string", param=f"tools[{i}]")
-        if fn.get("parameters") is not None:
-            _check_schema(fn["parameters"], f"tools[{i}].function.parameters")
-    return tools or None
-
-
-def _check_schema(schema: Any, where: str) -> None:
-    """The parts of a JSON Schema the Gemma 4 template reads, checked for the shapes it reads them in."""
-    if not isinstance(schema, dict):
-        raise invalid(f"{where} must be an object (a JSON Schema)", param=where)
-    props = schema.get("properties")
-    if props is not None:
-        if not isinstance(props, dict):
-            raise invalid(f"{where}.properties must be an object", param=f"{where}.properties")
-        for name, sub in props.items():
-            _check_schema(sub, f"{where}.properties.{name}")
-    items = schema.get("items")
-    if isinstance(items, list):
-        for j, sub in enumerate(items):
-            _check_schema(sub, f"{where}.items[{j}]")
-    elif items is not None:
-        _check_schema(items, f"{where}.items")
-    kind = schema.get("type")
-    kinds = kind if isinstance(kind, list) else [kind]
-    if kind is not None and not all(isinstance(t, str) for t in kinds):
-        raise invalid(f"{where}.type must be a string or a list of strings", param=f"{where}.type")
-    required = schema.get("required")
-    if required is not None and (
-        not isinstance(required, list) or not all(isinstance(r, str) for r in required)
-    ):
-        raise invalid(f"{where}.required must be a list of strings", param=f"{where}.required")
-    if schema.get("enum") is not None and not isinstance(schema["enum"], list):
-        raise invalid(f"{where}.enum must be a list", param=f"{where}.enum")
-    if schema.get("description") is not None and not isinstance(schema["description"], str):
-        raise invalid(f"{where}.description must be a string", param=f"{where}.description")
-
-
-def parse_tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> ToolChoice:
-    if value is None or value == "auto":
-        return ToolChoice("auto")
-    if value == "none":
-        return ToolChoice("none")
-    names = {t["function"]["name"] for t in tools or []}
-    if value == "required":
-        if not names:
-            raise invalid("tool_choice 'required' needs 'tools'", param="tool_choice")
-        return ToolChoice("required")
-    fn = value.get("function") if isinstance(value, dict) else None
-    name = fn.get("name") if isinstance(fn, dict) else None
-    if not isinstance(name, str):
-        raise invalid(
-            "'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}",
-            param="tool_choice",
-        )
-    if name not in names:
-        raise invalid(
-            f"tool_choice names the function {name!r}, which is not in 'tools'", param="tool_choice"
-        )
-    return ToolChoice("required", name)
-
-
-def _thinking(body: dict[str, Any], forced: bool | None) -> bool:
-    if forced is not None:  # the `:think` model suffix forces it
+def _thinking(body: ChatCompletionBody, forced: bool | None) -> bool:
+    if forced is not None:  # the `:think` model suffix wins
         return forced
-    kwargs = _optional(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object") or {}
-    enable = kwargs.get("enable_thinking")
-    if enable is not None:
-        if not isinstance(enable, bool):
-            raise invalid(
-                "chat_template_kwargs.enable_thinking must be a boolean", param="chat_template_kwargs"
-            )
-        return enable
-    effort = body.get("reasoning_effort")
-    if effort is not None:
-        if effort not in THINKING_EFFORTS:
-            raise invalid(
-                f"'reasoning_effort' must be one of {', '.join(THINKING_EFFORTS)}", param="reasoning_effort"
-            )
-        return THINKING_EFFORTS[effort]
-    return False
+    kwargs = body.chat_template_kwargs
+    if kwargs is not None and kwargs.enable_thinking is not None:
+        return kwargs.enable_thinking
+    return THINKING_EFFORTS[body.reasoning_effort] if body.reasoning_effort else False
 
 
-def _json_mode(value: Any) -> bool:
-    if value is None:
-        return False
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind not in ("text", "json_object", "json_schema"):
-        raise invalid(
-            "'response_format.type' must be 'text', 'json_object' or 'json_schema'", param="response_format"
-        )
-    return kind != "text"
+def _tool_choice(choice: str | NamedToolChoice) -> ToolChoice:
+    if isinstance(choice, NamedToolChoice):
+        return ToolChoice("required", choice.function.name)
+    return ToolChoice(choice)
 
 
-def parse_chat(body: dict[str, Any], model_id: str) -> ChatRequest:
-    params, forced_think = _common(body, model_id)
-    messages = parse_messages(body.get("messages"))
-    tools = parse_tools(body.get("tools"))
-    params.logprobs = _chat_logprobs(body)
+def parse_chat(body: dict[str, Any], model_id: str, sampler: SamplerConfig) -> ChatRequest:
+    """A chat body (from `parse_body`) as a request; `sampler` is the engine's, which the request may change."""
+    chat = _validate(ChatCompletionBody, body, model_id)
+    params, forced_think = _common(chat, model_id, sampler)
+    params.logprobs = (chat.top_logprobs or 0) if chat.logprobs else None
     return ChatRequest(
         **vars(params),
-        messages=messages,
-        tools=tools,
-        tool_choice=parse_tool_choice(body.get("tool_choice"), tools),
-        json_mode=_json_mode(body.get("response_format")),
-        think=_thinking(body, forced_think),
+        messages=[m.for_template() for m in chat.messages],
+        tools=body.get("tools")
+        or None,  # as sent (validated): the template reads keys the models do not declare
+        tool_choice=_tool_choice(chat.tool_choice),
+        json_mode=chat.response_format is not None and chat.response_format.type != "text",
+        think=_thinking(chat, forced_think),
     )
 
 
-def parse_completion(body: dict[str, Any], model_id: str) -> CompletionRequest:
-    params, _ = _common(body, model_id)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    ok_ids = isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt)
-    if not (isinstance(prompt, str) and prompt) and not ok_ids:
-        raise invalid("'prompt' must be a non-empty string or a list of token ids", param="prompt")
-    echo = _optional(body, "echo", lambda v: isinstance(v, bool), "a boolean") or False
-    params.logprobs = _completion_logprobs(body)
-    return CompletionRequest(**vars(params), prompt=prompt, echo=echo)
+def parse_completion(body: dict[str, Any], model_id: str, sampler: SamplerConfig) -> CompletionRequest:
+    """A raw completion body (from `parse_body`) as a request; `sampler` as for `parse_chat`."""
+    comp = _validate(CompletionBody, body, model_id)
+    params, _ = _common(comp, model_id, sampler)
+    params.logprobs = comp.logprobs
+    return CompletionRequest(**vars(params), prompt=comp.prompt, echo=comp.echo)
+
+
+# ---------------------------------------------------------------------------------------------
+# /openapi.json
+
+
+def openapi_schemas() -> dict[str, Any]:
+    """JSON Schemas of both request bodies and the parts they use, for the OpenAPI document's components."""
+    _, schemas = models_json_schema(
+        [(ChatCompletionBody, "validation"), (CompletionBody, "validation")], ref_template=REF
+    )
+    return schemas["$defs"]
+
+
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """A route's `openapi_extra`: its JSON body is `model` (validated by hand after `parse_body`)."""
+    schema = {"$ref": REF.format(model=model.__name__)}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}

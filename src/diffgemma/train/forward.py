@@ -1,33 +1,47 @@
-"""A batched, differentiable forward for training, numerically the same as `prefill` + `denoise`.
-
-`DiffusionGemma.prefill` / `denoise` are batch-1 inference paths under no_grad. Training runs the encoder
-(causal, over the prompt) and the decoder (bidirectional, over the canvas) as ONE joint pass over
-`[prompt slots | canvas slots]` per row, layer by layer, with the same parameters and the same ops
-(`kernels/torch_ref.py`):
+"""The trainer's forward: the model's own layers (`DiffusionGemma.layer_forward`, the reference kernels) over a
+batch, as ONE joint pass over `[prompt slots | canvas slots]` per row, numerically the same as `prefill` +
+`denoise` (a `TRAIN` pass whose masks say who sees whom):
 
 * prompts are LEFT-padded to a common length P; `prompt_mask` marks real tokens; each row's positions count its
   real tokens from 0, and its canvas sits at positions L..L+C-1 (L = the row's prompt length), as after a
   prefill of that prompt;
 * prompt rows attend causally to real prompt keys (sliding layers: key position > query position - window),
-  exactly what `_encode` computes, and never to the canvas, so their K/V equal the KV cache's;
+  exactly what a prefill computes, and never to the canvas, so their K/V equal the KV cache's;
 * canvas rows attend to the prompt keys a cache read returns (full layers: all; sliding layers: the last
-  window - 1 positions) and to the whole canvas, bidirectionally, as `_decode_layers` does;
+  window - 1 positions) and to the whole canvas, bidirectionally, as a denoise step does;
 * prompt rows take the encoder's input (scaled embedding, no norm) and `encoder_layer_scalar`; canvas rows
-  take the decoder's input (`_decoder_input`, with or without self-conditioning) and `layer_scalar`;
+  take the decoder's input (`decoder_input`, with or without self-conditioning) and `layer_scalar`;
 * pad slots attend only to themselves (no NaN rows) and nothing attends to them.
 
-The MoE runs "dense" by default: every expert on every row, weighted by the router's (renormalised, scaled)
-top-k weights and zero elsewhere - the same sum as `ops.moe_experts` without its per-expert host syncs, which
-suits a GPU. `moe="sparse"` uses `ops.moe_experts` itself.
+The MoE runs "dense" by default: every expert on every row, zero-weighted where unrouted (`Kernels("dense")`),
+the same values as the sorted experts without their host reads, which suits a GPU and CUDA graphs; `moe="sparse"`
+takes the sorted experts.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
-import torch.nn.functional as F
 
 from diffgemma.kernels import torch_ref as ops
+from diffgemma.kernels.table import Kernels
 from diffgemma.model.model import DiffusionGemma, Layer
+from diffgemma.model.passes import Pass
+
+KERNELS = {"dense": Kernels(experts="dense"), "sparse": Kernels(experts="sorted")}
+
+
+@contextlib.contextmanager
+def training_kernels(model: DiffusionGemma, moe: str) -> Iterator[None]:
+    """The model's layers on the reference kernels with the chosen experts, for the duration."""
+    before = model.kernels
+    model.kernels = KERNELS[moe]
+    try:
+        yield
+    finally:
+        model.kernels = before
 
 
 def positions_and_masks(
@@ -66,39 +80,15 @@ def positions_and_masks(
     return pos, masks
 
 
-def _qkv(layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float):
-    """x [B, T, hidden] -> Q [B, H, T, d], K/V [B, Hkv, T, d] (as `DiffusionGemma._qkv`, batched); cos/sin [B*T, d]."""
+def _qk(layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float):
+    """Q [B, H, T, d] and K [B, Hkv, T, d] of x [B, T, hidden] for the attention losses (cos/sin [B*T, d])."""
     b, t, _ = x.shape
     hd = layer.head_dim
-    q = F.linear(x, layer.q_proj.to(x.dtype)).view(b * t, layer.n_heads, hd)
-    k_raw = F.linear(x, layer.k_proj.to(x.dtype)).view(b * t, layer.n_kv, hd)
-    v = F.linear(x, layer.v_proj.to(x.dtype)).view(b * t, layer.n_kv, hd) if layer.sliding else k_raw
+    q = torch.nn.functional.linear(x, layer.q_proj.to(x.dtype)).view(b * t, layer.n_heads, hd)
+    k = torch.nn.functional.linear(x, layer.k_proj.to(x.dtype)).view(b * t, layer.n_kv, hd)
     q = ops.apply_rope(ops.rms_norm(q, layer.q_norm, eps), cos.to(q.dtype), sin.to(q.dtype))
-    k = ops.apply_rope(ops.rms_norm(k_raw, layer.k_norm, eps), cos.to(q.dtype), sin.to(q.dtype))
-    v = ops.rms_norm(v, None, eps)
-
-    def heads(z: torch.Tensor) -> torch.Tensor:
-        return z.view(b, t, z.shape[1], hd).transpose(1, 2)
-
-    return heads(q), heads(k), heads(v)
-
-
-def moe_dense(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
-) -> torch.Tensor:
-    """Same sum as `ops.moe_experts`, computed for every expert: x [N, H] -> [N, H]."""
-    n_exp = gate_up.shape[0]
-    w = torch.zeros(x.shape[0], n_exp, dtype=weights.dtype, device=x.device).scatter(1, ids, weights)
-    gu = torch.einsum("nh,efh->nef", x, gate_up)
-    gate, up = gu.chunk(2, dim=-1)
-    act = ops.gelu_tanh(gate) * up  # [N, E, I]
-    act = act * w.to(act.dtype)[:, :, None]
-    return torch.einsum("nei,ehi->nh", act, down).to(x.dtype)
-
-
-def _ffn(model: DiffusionGemma, layer: Layer, h: torch.Tensor, moe: str) -> torch.Tensor:
-    """`DiffusionGemma._ffn` on h [N, hidden], with the chosen expert kernel."""
-    return model._ffn(layer, h, experts=moe_dense if moe == "dense" else ops.moe_experts)
+    k = ops.apply_rope(ops.rms_norm(k, layer.k_norm, eps), cos.to(q.dtype), sin.to(q.dtype))
+    return (z.view(b, t, z.shape[1], hd).transpose(1, 2) for z in (q, k))
 
 
 def train_forward(
@@ -122,26 +112,30 @@ def train_forward(
     """
     b, p = prompt_ids.shape
     c = canvas_ids.shape[1]
-    pos, masks = positions_and_masks(model, prompt_mask, c)
-    enc_in = model._embed_tokens(prompt_ids)
-    dec_in = model._decoder_input(canvas_ids, sc_probs, sc_seed)
-    h = torch.cat([enc_in.to(dec_in.dtype), dec_in], 1)  # [B, T, hidden]
     t = p + c
-    is_prompt = (torch.arange(t, device=h.device) < p)[None, :, None]
-    rope = {}
-    for lt in set(model.cfg.layer_types):  # cos/sin once per layer type, in fp32 (cast in the layer)
-        rope[lt] = ops.rope_cos_sin(model.inv_freq[lt].to(h.device), pos.reshape(-1), torch.float32)
-    step = compiled_layer() if compiled else layer_forward
+    pos, masks = positions_and_masks(model, prompt_mask, c)
+    enc_in = model.embed_tokens(prompt_ids)
+    sc = None if sc_probs is None else sc_probs.reshape(b * c, -1)
+    dec_in = model.decoder_input(canvas_ids.reshape(-1), sc, sc_seed).view(b, c, -1)
+    h = torch.cat([enc_in.to(dec_in.dtype), dec_in], 1).reshape(b * t, -1)  # [B*T, hidden]
+    is_prompt = (torch.arange(t, device=h.device) < p).repeat(b)[:, None]
+    pas = Pass.train(pos, t, masks, is_prompt)
+    step = compiled_layer() if compiled else DiffusionGemma.layer_forward
     nll = torch.zeros((), device=h.device)
     eps = model.cfg.rms_norm_eps
-    for layer in model.layers:
-        cos, sin = rope[model.cfg.layer_types[layer.idx]]
-        if lookup is not None and layer.idx == 0:
-            nll = nll + prev_token_nll(layer, h, cos, sin, masks[layer.sliding], lines, eps)
-        if lookup is not None and layer.idx == lookup_layer(model):
-            nll = nll + lookup_nll(layer, h, cos, sin, masks[layer.sliding], lookup, p, eps)
-        h = step(model, layer, h, cos, sin, masks[layer.sliding], is_prompt, moe)
-    logits = model._logits(h[:, p:])
+    with training_kernels(model, moe):
+        for layer in model.layers:
+            if lookup is not None and layer.idx in (0, lookup_layer(model)):
+                cos, sin = pas.cos_sin(
+                    "sliding" if layer.sliding else "full", model.inv_freq_for(layer, h.device), torch.float32
+                )
+                hb = h.view(b, t, -1)
+                if layer.idx == 0:
+                    nll = nll + prev_token_nll(layer, hb, cos, sin, masks[layer.sliding], lines, eps)
+                if layer.idx == lookup_layer(model):
+                    nll = nll + lookup_nll(layer, hb, cos, sin, masks[layer.sliding], lookup, p, eps)
+            h, _ = step(model, layer, h, None, pas, None)
+        logits = model.logits(h.view(b, t, -1)[:, p:].reshape(b * c, -1)).view(b, c, -1)
     return logits if lookup is None else (logits, nll)
 
 
@@ -165,7 +159,7 @@ def prev_token_nll(
         return z.view(b, t, -1)[:, :p].reshape(b * p, -1)
 
     x = ops.rms_norm(h[:, :p], layer.input_layernorm, eps)
-    q, k, _ = _qkv(layer, x, prompt_rows(cos), prompt_rows(sin), eps)
+    q, k = _qk(layer, x, prompt_rows(cos), prompt_rows(sin), eps)
     kv = head // (q.shape[1] // k.shape[1])
     scores = torch.einsum("bqd,bkd->bqk", q[:, head].float(), k[:, kv].float())
     logp = torch.log_softmax(scores.masked_fill(~mask[:, 0, :p, :p], float("-inf")), -1)
@@ -199,7 +193,7 @@ def lookup_nll(
     The scores are the layer's own (scale 1), recomputed here for the one query row per example."""
     b = h.shape[0]
     x = ops.rms_norm(h, layer.input_layernorm, eps)
-    q, k, _ = _qkv(layer, x, cos, sin, eps)  # [B, H, T, d], [B, Hkv, T, d]
+    q, k = _qk(layer, x, cos, sin, eps)  # [B, H, T, d], [B, Hkv, T, d]
     has = lookup[:, 0] >= 0
     rows = torch.arange(b, device=h.device)
     qrow = n_prompt + lookup[:, 0].clamp_min(0)
@@ -209,36 +203,14 @@ def lookup_nll(
     return torch.where(has, nll, torch.zeros_like(nll)).sum() / has.sum().clamp_min(1)
 
 
-def layer_forward(
-    model: DiffusionGemma,
-    layer: Layer,
-    h: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    mask: torch.Tensor,
-    is_prompt: torch.Tensor,
-    moe: str,
-) -> torch.Tensor:
-    """One layer over the joint [prompt | canvas] stream h [B, T, hidden]."""
-    b, t, _ = h.shape
-    eps = model.cfg.rms_norm_eps
-    x = ops.rms_norm(h, layer.input_layernorm, eps)
-    q, k, v = _qkv(layer, x, cos, sin, eps)
-    attn = ops.attention(q, k, v, mask)  # [B, H, T, d]
-    attn = F.linear(attn.transpose(1, 2).reshape(b, t, -1), layer.o_proj.to(h.dtype))
-    h = h + ops.rms_norm(attn, layer.post_attention_layernorm, eps)
-    h = h + _ffn(model, layer, h.reshape(b * t, -1), moe).view(b, t, -1)
-    scalar = torch.where(is_prompt, layer.encoder_layer_scalar, layer.layer_scalar)
-    return h * scalar.to(h.dtype)
-
-
 _COMPILED = None
 
 
 def compiled_layer():
-    """`layer_forward` through torch.compile, one compile for every layer of a type and any batch shape. Fusing
-    the unfused elementwise work took the demo trainer's graphed step from 138 to 38 ms on an H200 (batch 256)."""
+    """`DiffusionGemma.layer_forward` through torch.compile, one compile for every layer of a type and any batch
+    shape. Fusing the unfused elementwise work took the demo trainer's graphed step from 138 to 38 ms on an H200
+    (batch 256)."""
     global _COMPILED
     if _COMPILED is None:
-        _COMPILED = torch.compile(layer_forward, dynamic=True)
+        _COMPILED = torch.compile(DiffusionGemma.layer_forward, dynamic=True)
     return _COMPILED

@@ -1,8 +1,0 @@
-#!/bin/bash
-# Session 26, call 5: 12-bit expert weights in contiguous tiles, gate_up and down.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/src
-S=$SECONDS
-nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv
-timeout 400 python3 .dev/packed_probe2.py $OUT/packed_probe2.json 2>&1 | grep -v Warn | tee $OUT/packed_probe2.txt
-echo "done at $((SECONDS - S)) s"

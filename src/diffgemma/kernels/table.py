@@ -1,0 +1,369 @@
+"""The kernel table: each step of the model's forward, as a torch reference (`Kernels`, any device) and as fast
+kernels (`FastKernels`: Triton where a kernel serves, through `dispatch`, else torch's library kernels, with the
+small ops between them as `torch.compile`d regions). The model calls its steps through one of these objects and
+never picks a backend itself; `runner.ModelRunner` picks one at construction.
+
+Every fast step computes what its reference computes (tests pin them: fp32 on CPU bit for bit where the same
+ops run, tests/gpu on the device). The fast steps serve one row (B = 1); batched canvases take the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from diffgemma.kernels import dispatch, library, regions
+from diffgemma.kernels import torch_ref as ref
+from diffgemma.model.passes import COMMIT, DENOISE, PREFILL, TRAIN, Pass
+
+_grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+# Rows up to which the router's GEMM runs inside the Triton top-k pass (docs/performance.md, "Routing and the
+# FFN combine"): faster at a canvas's 256 rows, slower at a prefill chunk's 4,096; never for fp32 activations.
+ROUTE_FROM_MAX_ROWS = 256
+
+
+class Routing(NamedTuple):
+    """Each row's top-k experts and the (row, j) pairs sorted by expert (`torch_ref.sort_pairs`)."""
+
+    weights: torch.Tensor  # [N, k] fp32
+    ids: torch.Tensor  # [N, k]
+    bounds: torch.Tensor  # int32 [E + 1]: expert e owns sorted pairs bounds[e]:bounds[e + 1]
+    perm: torch.Tensor  # [N * k]: each sorted pair's flat (row, j) index
+    slot: torch.Tensor  # [N * k]: its inverse
+
+
+def _heads(z: torch.Tensor, b: int) -> torch.Tensor:
+    """[B * T, heads, d] -> [B, heads, T, d]."""
+    return z.view(b, z.shape[0] // b, z.shape[1], z.shape[2]).transpose(1, 2)
+
+
+class Kernels:
+    """The reference steps: plain torch ops (`torch_ref` and the uncompiled `regions`), any batch, any device."""
+
+    fast = False
+
+    def __init__(self, experts: str = "sorted") -> None:
+        # "sorted": each expert over its own pairs (a host read of the bounds); "dense": every expert on every row,
+        # zero-weighted where unrouted, without a host read (the trainer's, under CUDA graphs)
+        if experts not in ("sorted", "dense"):
+            raise ValueError(f"experts must be 'sorted' or 'dense', not {experts!r}")
+        self.experts_mode = experts
+
+    # -- attention half -----------------------------------------------------------------------------------
+
+    def norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, p: Pass) -> torch.Tensor:
+        return ref.rms_norm(x, w, eps)
+
+    def qk_norm_rope(self, qkv: torch.Tensor, layer, inv_freq: torch.Tensor, eps: float, p: Pass):
+        """The merged q/k/v GEMM's output [B*T, ...] -> q [B, H, T, d] and K/V stacked [2, B, Hkv, T, d]: the
+        per-head Q/K norms, RoPE, and V's rms_norm_no_scale (V = the raw K on full layers)."""
+        n, hd, nq, nkv = qkv.shape[0], layer.head_dim, layer.n_heads, layer.n_kv
+        q = qkv[:, : nq * hd].view(n, nq, hd)
+        k_raw = qkv[:, nq * hd : (nq + nkv) * hd].view(n, nkv, hd)
+        v = qkv[:, (nq + nkv) * hd :].view(n, nkv, hd) if layer.sliding else k_raw
+        cos, sin = p.cos_sin("sliding" if layer.sliding else "full", inv_freq, qkv.dtype)
+        q = ref.apply_rope(ref.rms_norm(q, layer.q_norm, eps), cos, sin)
+        k = ref.apply_rope(ref.rms_norm(k_raw, layer.k_norm, eps), cos, sin)
+        v = ref.rms_norm(v, None, eps)
+        b = p.batch
+        return _heads(q, b), torch.stack([_heads(k, b), _heads(v, b)])
+
+    def attention(self, q: torch.Tensor, kv: torch.Tensor, layer, p: Pass, window: int) -> torch.Tensor:
+        """The pass's attention, as o_proj's input rows [B*T, H*d]; writes a prefill chunk's K/V to the cache.
+        Scale 1 (the Q/K norms fold it)."""
+        if p.phase == TRAIN:
+            out = ref.attention(q, kv[0], kv[1], p.masks[layer.sliding])
+            return out.transpose(1, 2).reshape(q.shape[0] * q.shape[2], -1)
+        rows = []
+        for b, cache in enumerate(p.caches):
+            qb, k, v = q[b : b + 1], kv[0, b : b + 1], kv[1, b : b + 1]
+            if p.phase == DENOISE:  # the canvas goes to the slots after the cached span, read with it
+                keys, vals = cache.read_with(layer.idx, k, v)
+                rows.append(ref.rows(ref.attention(qb, keys, vals, None)))
+                continue
+            if p.phase != PREFILL:
+                raise ValueError(f"the reference kernels have no {p.phase!r} pass")
+            start, t = p.starts[b], p.t
+            past_k, past_v, past_pos = cache.read(layer.idx, start)
+            keys = torch.cat([past_k.to(k.dtype), k], dim=2)
+            vals = torch.cat([past_v.to(v.dtype), v], dim=2)
+            positions = p.positions[b * t : (b + 1) * t]
+            key_pos = torch.cat([past_pos, positions])
+            mask = key_pos[None, :] <= positions[:, None]
+            if layer.sliding:
+                mask &= key_pos[None, :] > positions[:, None] - window
+            cache.write(layer.idx, start, torch.cat([k, v])[:, :, : p.valid or t])
+            rows.append(ref.rows(ref.attention(qb, keys, vals, mask)))
+        return torch.cat(rows)
+
+    # -- FFN half ----------------------------------------------------------------------------------------
+
+    def pre_ffn(self, h: torch.Tensor, attn: torch.Tensor, layer, eps: float, p: Pass):
+        """The attention residual and the FFN's inputs: (h, the dense MLP's normed input, the experts', the
+        router's)."""
+        dt = h.dtype
+        return regions.pre_ffn(
+            h,
+            attn,
+            layer.post_attention_layernorm,
+            layer.pre_feedforward_layernorm,
+            layer.pre_feedforward_layernorm_2,
+            layer.router_scale.to(dt),
+            eps,
+        )
+
+    def route(self, r: torch.Tensor, layer, top_k: int, p: Pass) -> Routing:
+        weights, ids = ref.route_weights(
+            F.linear(r, layer.router_proj.to(r.dtype)), layer.per_expert_scale, top_k
+        )
+        return Routing(weights, ids, *ref.sort_pairs(ids, layer.router_proj.shape[0]))
+
+    def dense_mlp(self, x: torch.Tensor, layer, eps: float, p: Pass) -> torch.Tensor:
+        dt = x.dtype
+        return regions.dense_mlp(
+            x, layer.gate_up_weight(dt), layer.mlp_down.to(dt), layer.post_feedforward_layernorm_1, eps
+        )
+
+    def experts(self, x: torch.Tensor, routing: Routing, layer, p: Pass) -> torch.Tensor:
+        """Each (row, expert) pair's expert output [N*k, H], in sorted pair order, unweighted."""
+        k = routing.ids.shape[1]
+        if self.experts_mode == "dense":
+            return _experts_dense(x, routing, k, layer.experts_gate_up, layer.experts_down)
+        return ref.experts_sorted(
+            x, routing.perm, routing.bounds, k, layer.experts_gate_up, layer.experts_down
+        )
+
+    def post_ffn(self, h, dense, y, routing: Routing, layer, scalar, next_norm, eps: float, p: Pass):
+        """The experts' weighted sum, the last three norms, the residual and the layer scalar; with `next_norm`
+        the next layer's normed input too. Returns (h, that input or None)."""
+        return regions.post_ffn(
+            h,
+            dense,
+            y,
+            routing.slot,
+            routing.weights,
+            layer.post_feedforward_layernorm_2,
+            layer.post_feedforward_layernorm,
+            scalar,
+            next_norm,
+            eps,
+        )
+
+    def softcap(self, logits: torch.Tensor, cap: float) -> torch.Tensor:
+        return ref.softcap(logits, cap)
+
+
+def _experts_dense(x, routing: Routing, k: int, gate_up, down) -> torch.Tensor:
+    """`torch_ref.experts_sorted` as every expert on every row, each pair's output picked from them: the same
+    values without a host read (autograd and CUDA graphs)."""
+    gate, up = torch.einsum("nh,efh->nef", x, gate_up.to(x.dtype)).chunk(2, dim=-1)
+    out = torch.einsum("nei,ehi->neh", ref.gelu_tanh(gate) * up, down.to(x.dtype))  # [N, E, H]
+    return out[routing.perm // k, routing.ids.reshape(-1)[routing.perm]]
+
+
+class FastKernels(Kernels):
+    """The fast steps for one row: Triton kernels where they serve, library kernels, compiled regions, K/V
+    written straight to the cache's slots and the cache geometry read on the device (`Pass.geometry`), so that
+    a step can be captured in a CUDA graph. Activations in fp32 on 16-bit weights (a short prompt's prefill,
+    seed rule 7) run the reference steps except attention and the experts."""
+
+    fast = True
+
+    def __init__(self, compile: bool = True) -> None:
+        super().__init__()
+        self.regions = regions.make_regions(enabled=compile)  # fixed shapes: the denoise step
+        self.prefill_regions = regions.make_regions(enabled=compile, dynamic=True)  # any token count
+        self._side: dict[torch.device, torch.cuda.Stream] = {}
+
+    def _r(self, p: Pass) -> dict:
+        return self.prefill_regions if p.phase == PREFILL else self.regions
+
+    @staticmethod
+    def _wide(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """fp32 activations on 16-bit weights: the reference steps serve."""
+        return x.dtype == torch.float32 and weight.dtype != torch.float32
+
+    # -- attention half -----------------------------------------------------------------------------------
+
+    def norm(self, x, w, eps, p: Pass):
+        if self._wide(x, w):
+            return super().norm(x, w, eps, p)
+        return self._r(p)["norm"](x, w, eps)
+
+    def qk_norm_rope(self, qkv, layer, inv_freq, eps, p: Pass):
+        """One row's Q, and its K/V: written straight into the cache's canvas slots on a denoise or commit pass
+        (`kv_slot` read on the device), returned stacked [2, Hkv, T, d] on a prefill pass (attention writes it)."""
+        if p.batch != 1:
+            raise NotImplementedError(
+                "the fast kernels take one row a pass; batched canvases take the reference"
+            )
+        if self._wide(qkv, layer.q_norm):
+            q, kv = super().qk_norm_rope(qkv, layer, inv_freq, eps, p)
+            return q, kv[:, 0]
+        t, hd, nq, nkv = qkv.shape[0], layer.head_dim, layer.n_heads, layer.n_kv
+        kv_out = kv_slot = None
+        if p.phase in (DENOISE, COMMIT):
+            kv_out = p.caches[0].kv[layer.idx]
+            kv_slot = p.geometry[3:4] if layer.sliding else p.geometry[0:1]
+        cos, sin = p.cos_sin("sliding" if layer.sliding else "full", inv_freq, qkv.dtype)
+        if hd >= 2 and hd & (hd - 1) == 0:
+            out = dispatch.attempt(
+                "triton_qkv",
+                lambda m: m.norm_rope(
+                    qkv, nq, nkv, layer.sliding, cos, sin, layer.q_norm, layer.k_norm, eps, kv_out, kv_slot
+                ),
+                qkv,
+            )
+            if out is not None:
+                return out
+        q = qkv[:, : nq * hd].view(t, nq, hd)
+        k_raw = qkv[:, nq * hd : (nq + nkv) * hd].view(t, nkv, hd)
+        v = qkv[:, (nq + nkv) * hd :].view(t, nkv, hd) if layer.sliding else None
+        q, kv_new = self._r(p)["qkv_post"](
+            q, k_raw, v, layer.q_norm, layer.k_norm, inv_freq, p.positions, eps, True
+        )
+        if kv_slot is not None:
+            kv_out.index_copy_(2, kv_slot.long() + torch.arange(t, device=kv_slot.device), kv_new)
+            return q, kv_out
+        return q, kv_new
+
+    def attention(self, q, kv, layer, p: Pass, window: int):
+        cache = p.caches[0]
+        if p.phase == PREFILL:
+            return self._prefill_attention(q, kv, layer, cache, p)
+        geo, c = p.geometry, q.shape[2]
+        buf = cache.kv[layer.idx]  # the canvas's K/V already sit in its canvas slots (`qk_norm_rope`)
+        causal = p.phase == COMMIT
+        if layer.sliding:  # the window before the canvas and the canvas: slots geo[1] .. geo[1] + geo[2]
+            span = (geo[1:3], cache.denoise_key_slots(c))
+            if causal:
+                out = library.attention_commit(q, buf[0:1], buf[1:2], span=span, window=window)
+            else:
+                out = library.attention_nomask(q, buf[0:1], buf[1:2], span=span)
+        else:  # keys 0 .. length + c, of full_keys
+            k, v = buf[0:1, :, : p.full_keys], buf[1:2, :, : p.full_keys]
+            attend = library.attention_commit if causal else library.attention_nomask
+            out = attend(q, k, v, valid=geo[4:5])
+        return ref.rows(out)
+
+    @staticmethod
+    def _prefill_attention(q, chunk, layer, cache, p: Pass) -> torch.Tensor:
+        """A prefill chunk's causal attention over the cached past and itself, as rows [T, H*d]; writes the
+        chunk's K/V. A sliding layer's window is copied into the attention's buffer before the write may
+        overwrite it."""
+        start, t = p.starts[0], p.t
+        if layer.sliding:
+            out = library.attention_window(q, cache.span(layer.idx, start).to(q.dtype), chunk, p.window_bias)
+            cache.write(layer.idx, start, chunk)
+            return out
+        cache.write(layer.idx, start, chunk)
+        if chunk.dtype == cache.dtype:  # the past, then the chunk just written: one view of the cache
+            both = cache.span(layer.idx, start + t)
+        else:
+            both = torch.cat([cache.span(layer.idx, start).to(chunk.dtype), chunk], dim=2)
+        return library.attention_causal_past(q, both[0:1], both[1:2])
+
+    # -- FFN half ----------------------------------------------------------------------------------------
+
+    def pre_ffn(self, h, attn, layer, eps, p: Pass):
+        if self._wide(h, layer.router_scale):
+            return super().pre_ffn(h, attn, layer, eps, p)
+        return self._r(p)["pre_ffn"](
+            h,
+            attn,
+            layer.post_attention_layernorm,
+            layer.pre_feedforward_layernorm,
+            layer.pre_feedforward_layernorm_2,
+            layer.router_scale,
+            eps,
+        )
+
+    def route(self, r, layer, top_k, p: Pass) -> Routing:
+        """The Triton top-k and sort (on 16-bit activations of up to ROUTE_FROM_MAX_ROWS rows with the router's
+        GEMM inside), else the library GEMM and the compiled region."""
+        if self._wide(r, layer.router_proj):
+            return super().route(r, layer, top_k, p)
+        proj, scale = layer.router_proj, layer.per_expert_scale
+
+        def triton_route(m):
+            if r.shape[0] > ROUTE_FROM_MAX_ROWS:
+                return m.route_sort(F.linear(r, proj), scale, top_k)
+            return m.route_sort_from(r, proj, scale, top_k)
+
+        out = dispatch.attempt("triton_route", triton_route, r)
+        if out is not None:
+            return Routing(*out)
+        weights, bounds, perm, slot = self._r(p)["route"](F.linear(r, proj), scale, top_k)
+        return Routing(weights, None, bounds, perm, slot)
+
+    def dense_mlp(self, x, layer, eps, p: Pass):
+        """The dense MLP on a second stream on CUDA (it does not depend on the routing): it runs beside the
+        experts, and `post_ffn` joins it."""
+        if self._wide(x, layer.mlp_down):
+            return super().dense_mlp(x, layer, eps, p)
+        side = self._side_stream(x)
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            return self._r(p)["dense_mlp"](
+                x, layer.gate_up_weight(x.dtype), layer.mlp_down, layer.post_feedforward_layernorm_1, eps
+            )
+
+    def experts(self, x, routing: Routing, layer, p: Pass) -> torch.Tensor:
+        """The Triton expert kernels up to library.TRITON_MAX_PAIRS_PER_EXPERT pairs an expert, else two
+        grouped GEMMs around the compiled gelu*up."""
+        gate_up, down, perm, bounds = layer.experts_gate_up, layer.experts_down, routing.perm, routing.bounds
+        top_k = routing.weights.shape[1]
+        if library.triton_moe_for(x, perm.numel(), gate_up) is not None:
+
+            def kernels(m):
+                cfg = m.config_for(perm.numel(), gate_up.shape[0], x.dtype != gate_up.dtype)
+                return m.down_sorted(
+                    m.gate_up_act(x, gate_up, perm, bounds, top_k, cfg.gate_up), down, bounds, cfg.down
+                )
+
+            y = dispatch.attempt("triton_moe", kernels, x)
+            if y is not None:
+                return y
+        offs = bounds[1:]
+        dt = x.dtype
+        gu = _grouped_mm(x[perm // top_k], gate_up.to(dt).transpose(1, 2), offs=offs)
+        gelu_mul = regions.gelu_mul if self._wide(x, gate_up) else self._r(p)["gelu_mul"]
+        return _grouped_mm(gelu_mul(gu), down.to(dt).transpose(1, 2), offs=offs)
+
+    def post_ffn(self, h, dense, y, routing: Routing, layer, scalar, next_norm, eps, p: Pass):
+        """Joins the dense MLP's stream, then one Triton kernel where it serves, else the compiled region."""
+        side = self._side.get(h.device)
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)
+        if self._wide(h, layer.post_feedforward_layernorm):
+            return super().post_ffn(h, dense, y, routing, layer, scalar, next_norm, eps, p)
+        args = (
+            h,
+            dense,
+            y,
+            routing.slot,
+            routing.weights,
+            layer.post_feedforward_layernorm_2,
+            layer.post_feedforward_layernorm,
+            scalar.to(h.dtype),
+            next_norm,
+            eps,
+        )
+        out = dispatch.attempt("triton_combine", lambda m: m.post_ffn(*args), h)
+        return out if out is not None else self._r(p)["post_ffn"](*args)
+
+    def softcap(self, logits, cap):
+        return self.regions["softcap"](logits, cap)
+
+    def _side_stream(self, x: torch.Tensor) -> torch.cuda.Stream | None:
+        """The second stream of x's CUDA device (None elsewhere). A CUDA graph captures the work queued on it
+        as a branch that runs concurrently with the capturing stream's."""
+        if not x.is_cuda:
+            return None
+        if x.device not in self._side:
+            self._side[x.device] = torch.cuda.Stream(x.device)
+        return self._side[x.device]

@@ -1,0 +1,281 @@
+"""`ModelRunner`: how the model runs. It picks the kernels once from a `RuntimeConfig` and owns everything about
+executing the plain forward fast: the prefill routes and chunks, CUDA graphs and their pools, the staging cache
+of padded prefills, torch.compile'd regions and the warm-up. Generation, conversations and the server call the
+runner, never the model's forward directly."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from diffgemma.config import ModelConfig, RuntimeConfig, SamplerConfig
+from diffgemma.kernels.table import FastKernels, Kernels
+from diffgemma.model.kv_cache import KVCache
+from diffgemma.model.model import DiffusionGemma
+from diffgemma.model.passes import COMMIT, Pass
+from diffgemma.runner.graphs import DenoiseGraphs, GraphStep, full_keys
+
+# A prompt of up to PREFILL_GRAPH_MAX tokens into an empty cache is padded to a multiple of PREFILL_GRAPH_BUCKET
+# and, on CUDA, replayed as a CUDA graph: eagerly its ~950 launches bound it by the host (docs/performance.md,
+# "CUDA graphs").
+PREFILL_GRAPH_MAX = 2048
+PREFILL_GRAPH_BUCKET = 256
+
+
+def wants_fast_kernels(config: RuntimeConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """The kernels a config asks for on this device and dtype: "auto" is fast on CUDA in 16 bits."""
+    if config.kernels == "auto":
+        return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    return config.kernels == "fast"
+
+
+class ModelRunner:
+    """Runs `model` as `config` says: `prefill`, `denoise` and `rewind` on KV caches, `warm_up` before serving."""
+
+    def __init__(self, model: DiffusionGemma, config: RuntimeConfig | None = None) -> None:
+        self.model = model
+        self.config = config or RuntimeConfig()
+        self.fast = wants_fast_kernels(self.config, model.device, model.dtype)
+        model.kernels = FastKernels(compile=self.config.compile) if self.fast else Kernels()
+        self.graphs_on = self.fast and self.config.graphs and model.device.type == "cuda"
+        self.graphs = DenoiseGraphs(model.device, model.cfg.vocab_size, model.dtype, model.embed.dtype)
+        self._geometry: torch.Tensor | None = (
+            None  # `KVCache.denoise_geometry` on the device, as graphs read it
+        )
+        self._prefill_graphs: dict[
+            int, GraphStep | None
+        ] = {}  # padded length -> graph (None: ran eagerly once)
+        self._prefill_pool = None
+        self._stage: KVCache | None = None  # where a padded prefill writes K/V before they are copied out
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model.cfg
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def new_cache(self, max_tokens: int, ring_size: int | None = None) -> KVCache:
+        return self.model.new_cache(max_tokens, ring_size=ring_size)
+
+    # -- prefill -----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(
+        self, ids: torch.Tensor | list[int], kv: KVCache, compute_dtype: torch.dtype | None = None
+    ) -> None:
+        """Extend `kv` by ids (a list, or [1, T] / [T]) and its token log (`KVCache.tokens`). `compute_dtype`
+        (fp32 for short prompts, seed §3) runs the activations in it. The reference kernels prefill in aligned
+        chunks (`_prefill_aligned`); the fast kernels take the fastest route: a padded graph for a short prompt
+        into an empty cache, a commit graph on the canvas slots for a block after a cache, chunks otherwise."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        if kv.length + ids.shape[0] > kv.max_tokens:
+            raise ValueError(
+                f"prompt does not fit: {kv.length} cached + {ids.shape[0]} new > {kv.max_tokens}"
+            )
+        if not ids.numel():
+            return
+        self.model.check_ids(ids, 1)
+        known = kv.knows_tokens()
+        new = ids.tolist()
+        dtype = compute_dtype or self.dtype
+        t = ids.shape[0]
+        if not self.fast:
+            self._prefill_aligned(ids, kv, dtype)
+        elif (
+            kv.length == 0 and t <= min(self.config.prefill_chunk, PREFILL_GRAPH_MAX) and dtype == self.dtype
+        ):
+            self._prefill_padded(ids, kv)
+        elif kv.length > 0 and t <= kv.canvas_slots and dtype == self.dtype and kv.dtype == self.dtype:
+            self._commit(ids, kv)
+        else:
+            for s in range(0, t, self.config.prefill_chunk):
+                self.model.prefill(ids[s : s + self.config.prefill_chunk], kv, compute_dtype=dtype)
+        if known:
+            kv.tokens.extend(new)
+
+    def _prefill_aligned(self, ids: torch.Tensor, kv: KVCache, dtype: torch.dtype) -> None:
+        """ids [T] after the cache in chunks of one canvas at fixed absolute positions (0, C, 2C, ...), each padded
+        to C rows: a cache that ends inside a chunk has that chunk's cached part encoded again with the new tokens.
+        Every chunk is then the same computation whatever came before it, so a conversation's K/V, and its
+        answers, do not depend on how its turns were prefilled or what the cache held (docs/performance.md,
+        "Prefill in chunks at fixed positions"). The pad rows come after every real one and write nothing."""
+        c, start = self.cfg.canvas_length, kv.length
+        redo = start % c
+        if redo and kv.knows_tokens() and kv.can_truncate(start - redo):
+            ids = torch.cat([torch.tensor(kv.tokens[start - redo : start]), ids])
+            kv.length = start - redo  # encoded again below, to the same length and tokens
+        pad = self.cfg.pad_token_id or 0
+        for s in range(0, ids.shape[0], c):
+            part = ids[s : s + c]
+            padded = F.pad(part, (0, c - part.shape[0]), value=pad)
+            self.model.prefill(padded[None], kv, compute_dtype=dtype, valid=part.shape[0])
+
+    def _prefill_padded(self, ids: torch.Tensor, kv: KVCache) -> None:
+        """ids [T] into the empty cache `kv`, encoded padded with pad tokens to a multiple of PREFILL_GRAPH_BUCKET
+        (causal attention: no prompt row sees them) into a staging cache, whose first T positions are then copied
+        into `kv`. On CUDA a bucket's second prompt captures a graph that the later ones replay; its first runs
+        eagerly, and so compiles what the capture needs. Eager or replayed, the shapes are the bucket's: a prompt
+        leaves the same cache either way."""
+        t = ids.shape[0]
+        tb = -(-t // PREFILL_GRAPH_BUCKET) * PREFILL_GRAPH_BUCKET
+        padded = F.pad(ids, (0, tb - t), value=self.cfg.pad_token_id or 0).to(self.device)
+        if self._stage is None:  # a ring as long as the cache: every layer keeps positions in order
+            self._stage = self.model.new_cache(PREFILL_GRAPH_MAX, ring_size=PREFILL_GRAPH_MAX)
+        stage = self._stage
+        stage.reset()
+        step = self._prefill_graphs.get(tb)
+        if step is None and tb in self._prefill_graphs and self.graphs_on:
+            if self._prefill_pool is None:
+                self._prefill_pool = torch.cuda.graph_pool_handle()
+            step = GraphStep(
+                lambda i, _: self.model.prefill(i[None], stage),
+                padded,
+                None,
+                self._prefill_pool,
+                warm_up=False,
+            )
+            self._prefill_graphs[tb] = step
+        if step is not None:
+            step(padded, None)
+        else:
+            self.model.prefill(padded[None], stage)
+            self._prefill_graphs[tb] = None
+        for layer in self.model.layers:
+            kv.write(layer.idx, 0, stage.kv[layer.idx][:, :, :t])
+        kv.length = t
+
+    def _commit(self, ids: torch.Tensor, kv: KVCache) -> None:
+        """ids [t] (t <= the canvas slots) after a non-empty cache (a block's commit, a short turn): a prefill run
+        on the canvas slots as a denoise step runs, causal, padded with pad tokens to the canvas (no real row sees
+        them), and graphed on CUDA like the denoise step (docs/performance.md, "CUDA graphs"). The canvas slots are
+        the full layers' own positions; a sliding layer's K/V are then written to its ring from there."""
+        c, t, start = kv.canvas_slots, ids.shape[0], kv.length
+        padded = F.pad(ids, (0, c - t), value=self.cfg.pad_token_id or 0).to(self.device)
+        geometry = self._load_geometry(kv, c)
+        first_slot = kv.denoise_geometry(c)[3]  # the sliding layers' first canvas slot
+        model = self.model
+
+        def forward(i: torch.Tensor, _) -> torch.Tensor:
+            p = Pass.denoise([kv], c, geometry, full_keys(kv, c), phase=COMMIT)
+            return model.layers_forward(model.embed_tokens(i), p)
+
+        if self.graphs_on:
+            self.graphs.get(kv, ("commit", c), forward, padded, None)(padded, None)
+        else:
+            forward(padded, None)
+        for layer in model.layers:
+            if layer.sliding:
+                kv.write(layer.idx, start, kv.kv[layer.idx][:, :, first_slot : first_slot + t].clone())
+        kv.length = start + t
+
+    @torch.no_grad()
+    def rewind(self, kv: KVCache, pos: int) -> None:
+        """Drop every position >= pos (`KVCache.truncate`). On the reference kernels, then encode the chunk that now
+        ends the cache again from its own tokens, so that the cache holds what a prefill of its tokens from empty
+        would (`_prefill_aligned`): a rewind restores the K/V bytes of the shorter cache exactly."""
+        kv.truncate(pos)
+        redo = pos % self.cfg.canvas_length
+        if self.fast or not redo or not kv.knows_tokens() or not kv.can_truncate(pos - redo):
+            return
+        tokens = kv.tokens[pos - redo :]
+        kv.truncate(pos - redo)
+        self.prefill(tokens, kv)
+
+    # -- denoise -----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def denoise(
+        self,
+        canvas: torch.Tensor,
+        kv: KVCache,
+        sc_logits: torch.Tensor | None = None,
+        *,
+        sc_probs: torch.Tensor | None = None,
+        sc_seed: bool = False,
+        raw: bool = False,
+    ) -> torch.Tensor:
+        """`DiffusionGemma.denoise` for one canvas [1, C] after `kv` (logits [1, C, V]): on the fast kernels with the
+        cache geometry read on the device and, on CUDA, replayed from the graph of this cache, key bucket and SC
+        mode. raw=True returns the LM head's output before the final softcap, which on a graph is the graph's own
+        buffer, overwritten by the next step (the sampler reads it before)."""
+        model = self.model
+        if not self.fast:
+            return model.denoise(canvas, kv, sc_logits, sc_probs=sc_probs, sc_seed=sc_seed, raw=raw)
+        canvas = model.check_ids(canvas, 1)[0]
+        c = canvas.shape[0]
+        if sc_logits is not None:
+            sc_probs = torch.softmax(sc_logits.reshape(c, -1), dim=-1, dtype=torch.float32)
+        if c > kv.canvas_slots or kv.dtype != model.dtype:  # no room for the canvas in the cache's own slots
+            return model.denoise(canvas[None], kv, sc_probs=sc_probs, sc_seed=sc_seed, raw=raw)
+        geometry = self._load_geometry(kv, c)
+
+        def forward(
+            ids: torch.Tensor, sc: torch.Tensor | None, out: torch.Tensor | None = None
+        ) -> torch.Tensor:
+            p = Pass.denoise([kv], c, geometry, full_keys(kv, c))
+            seed = sc_seed and sc is None
+            return model.denoise(ids[None], kv, sc_probs=sc, sc_seed=seed, raw=True, out=out, p=p)[0]
+
+        if self.graphs_on:
+            out = self.graphs.io(c)[0]
+            mode = (c, sc_probs is not None, sc_seed and sc_probs is None)
+            logits = self.graphs.get(kv, mode, lambda i, sc: forward(i, sc, out), canvas, sc_probs)(
+                canvas, sc_probs
+            )
+        else:
+            logits = forward(canvas, sc_probs)
+        return (logits if raw else model.kernels.softcap(logits, self.cfg.final_logit_softcapping))[None]
+
+    def sc_input_buffer(self, kv: KVCache, canvas_len: int) -> torch.Tensor | None:
+        """The captured denoise graph's SC input for this cache and canvas length, if there is one ([C, V] in the
+        model's dtype): SC probabilities written there are not copied in again by the next `denoise`."""
+        return self.graphs.sc_input(kv, canvas_len) if self.graphs_on else None
+
+    def _load_geometry(self, kv: KVCache, c: int) -> torch.Tensor:
+        """`kv.denoise_geometry(c)` into the device buffer the fast denoise and commit passes read (a graph too)."""
+        if self._geometry is None or self._geometry.device != self.device:
+            self._geometry = torch.zeros(5, dtype=torch.int32, device=self.device)
+        self._geometry.copy_(torch.tensor(kv.denoise_geometry(c), dtype=torch.int32))
+        return self._geometry
+
+    # -- compile, graphs, warm-up ------------------------------------------------------------------------
+
+    def release_graphs(self) -> None:
+        """Drop the denoise and commit graphs (each tied to the cache it was captured on), their memory pool and
+        their shared buffers."""
+        self.graphs.clear()
+
+    def warm_up(self, sampler: SamplerConfig) -> float:
+        """Compile the fast path (torch.compile'd regions and Triton kernels, once a process) by generating
+        throwaway replies on caches of their own: a short prompt (prefilled under the sampler's fp32 rule when it
+        is on) and one just past that rule's length (prefilled in the model's dtype), two blocks of three steps
+        each, so that the denoise step with each self-conditioning input and a block's commit run too. Then the
+        graphs tied to those caches are dropped. A server calls it before it takes requests, as vLLM compiles and
+        captures before serving (docs/performance.md, "torch.compile and warm-up"). Returns the seconds taken;
+        0.0 on the reference kernels, where nothing is compiled."""
+        from diffgemma.engine.generate import generate
+
+        if not self.fast:
+            return 0.0
+        t0 = time.perf_counter()
+        canvas, vocab = self.cfg.canvas_length, self.cfg.vocab_size
+        sampler = sampler.replace(max_denoising_steps=3, stop_token_ids=(), empty_reply_retry=0)
+        f32_max = sampler.prefill_f32_max_tokens
+        for n in (min(8, f32_max), f32_max + 1) if f32_max else (8,):
+            ids = [3 + i % (vocab - 3) for i in range(n)]  # past pad, eos and bos
+            kv = self.new_cache(n + 3 * canvas)
+            generate(self, ids, kv, sampler, seed=0, max_new_tokens=2 * canvas)
+            del kv
+        self.release_graphs()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # the graphs' pool back to the device, for the memory a server plans
+        return time.perf_counter() - t0
