@@ -1,5 +1,5 @@
 """Microbenchmark of a denoise step's attention, one layer at the real shape (256 canvas queries, 16 heads):
-`cuda.attention_nomask` against SDPA's backends (GQA folded into the rows, or enable_gqa), FlexAttention and
+`library.attention_nomask` against SDPA's backends (GQA folded into the rows, or enable_gqa), FlexAttention and
 the split-KV Triton kernel (`triton_attn.attention_splitkv` with its module defaults; with --splitkv-sweep
 also over a grid of splits and tiles, sliding shape only), for sliding layers (d=256, 8 KV heads, 1,023
 cached keys + the canvas) and full layers (d=512, 2 KV heads, at several context lengths; the split-KV kernel
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from moe_kernels import time_graph  # noqa: E402
 
-from diffgemma.kernels import cuda as fast  # noqa: E402
+from diffgemma.kernels import library  # noqa: E402
 from diffgemma.kernels import triton_attn as ta  # noqa: E402
 
 DEV, DT, HEADS, CANVAS = "cuda", torch.bfloat16, 16, 256
@@ -76,8 +76,8 @@ def bench_shape(hd: int, hkv: int, keys: int, flex, sweep: bool) -> None:
     q = torch.randn(1, HEADS, CANVAS, hd, device=DEV, dtype=DT) * hd**-0.25
     k = torch.randn(1, hkv, keys, hd, device=DEV, dtype=DT) * hd**-0.25
     v = torch.randn(1, hkv, keys, hd, device=DEV, dtype=DT)
-    want = fast.attention_nomask(q, k, v)
-    run("attention_nomask (in use)", lambda: fast.attention_nomask(q, k, v), want)
+    want = library.attention_nomask(q, k, v)
+    run("attention_nomask (in use)", lambda: library.attention_nomask(q, k, v), want)
     for backend in BACKENDS:
         for gqa in (False, True):
             label = f"sdpa {'enable_gqa' if gqa else 'folded'} {backend.name}"

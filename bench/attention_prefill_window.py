@@ -1,6 +1,6 @@
 """Microbenchmark of a prefill chunk's sliding-window attention, one layer at the real shape (T = 4,096
 queries, 16 heads, 8 KV heads, d = 256, window 1,024) after n = 0 (the first chunk) and n = 1,023 cached
-positions (past a strided view of a longer cache, as the model passes it): `cuda.attention_window`'s SDPA path
+positions (past a strided view of a longer cache, as the model passes it): `library.attention_window`'s SDPA path
 (its buffer copies, cuDNN with the additive mask, the permute into rows) against the Triton kernel
 `triton_attn.attention_window_rows` at the module defaults and, with --sweep, over a grid of tiles. Each
 timing is a CUDA graph of 10 calls, the median of 20 replays, per call; max|diff| is against the SDPA path.
@@ -25,7 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from moe_kernels import time_graph  # noqa: E402
 
-from diffgemma.kernels import cuda as fast  # noqa: E402
+from diffgemma.kernels import (
+    dispatch,  # noqa: E402
+    library,  # noqa: E402
+)
 from diffgemma.kernels import triton_attn as ta  # noqa: E402
 
 DEV, DT, HEADS, KV_HEADS, D, T, WINDOW = "cuda", torch.bfloat16, 16, 8, 256, 4096, 1024
@@ -33,18 +36,19 @@ DEV, DT, HEADS, KV_HEADS, D, T, WINDOW = "cuda", torch.bfloat16, 16, 8, 256, 409
 
 @contextlib.contextmanager
 def sdpa_only():
-    """`cuda.attention_window` with the Triton module switched off: its SDPA path."""
-    real = fast._triton_kernels
-    fast._triton_kernels = lambda name: None
+    """`library.attention_window` with the Triton attention module switched off: its SDPA path."""
+    was_off = "triton_attn" in dispatch.failed
+    dispatch.failed.add("triton_attn")
     try:
         yield
     finally:
-        fast._triton_kernels = real
+        if not was_off:
+            dispatch.failed.discard("triton_attn")
 
 
 def sdpa_window(q, past, chunk, bias) -> torch.Tensor:
     with sdpa_only():
-        return fast.attention_window(q, past, chunk, bias)
+        return library.attention_window(q, past, chunk, bias)
 
 
 def sweep() -> list[dict]:
@@ -63,7 +67,7 @@ def bench_shape(n: int, configs: list[dict]) -> dict:
     cache[0] *= D**-0.25
     chunk[0] *= D**-0.25
     past = cache[:, :, 32 : 32 + n]
-    bias = fast.window_bias(n, T, WINDOW, HEADS // KV_HEADS, DT, DEV)
+    bias = library.window_bias(n, T, WINDOW, HEADS // KV_HEADS, DT, DEV)
     want = sdpa_window(q, past, chunk, bias)
     results = {}
 
@@ -77,7 +81,7 @@ def bench_shape(n: int, configs: list[dict]) -> dict:
         results[name] = {"us": us, "max_diff": diff}
         print(f"  {name:38s} {us:8.1f} us  max|diff| {diff:.3g}", flush=True)
 
-    run("sdpa (cuda.attention_window fallback)", lambda: sdpa_window(q, past, chunk, bias))
+    run("sdpa (library.attention_window fallback)", lambda: sdpa_window(q, past, chunk, bias))
     run("triton window (module defaults)", lambda: ta.attention_window_rows(q, past, chunk, WINDOW))
     for c in configs:
         label = "triton window m{block_m} n{block_n} w{num_warps} st{num_stages}".format(**c)

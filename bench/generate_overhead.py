@@ -21,7 +21,8 @@ import torch
 
 from diffgemma.bench import REAL_CONFIG, fixed_steps_sampler, random_model, timed
 from diffgemma.engine.generate import generate
-from diffgemma.kernels import cuda as fast_ops
+from diffgemma.runner import graphs
+from diffgemma.runner.runner import ModelRunner
 
 PROMPT, BLOCKS, STEPS, RUNS = 1024, 4, 48, 4
 
@@ -31,7 +32,7 @@ class Captures:
 
     def __init__(self) -> None:
         self.count, self.seconds = 0, 0.0
-        real = fast_ops.GraphStep
+        real = graphs.GraphStep
 
         def timed(*args, **kwargs):
             torch.cuda.synchronize()
@@ -42,14 +43,14 @@ class Captures:
             self.seconds += time.perf_counter() - t0
             return step
 
-        fast_ops.GraphStep = timed
+        graphs.GraphStep = timed
 
 
-def step_median_ms(model, kv) -> float:
+def step_median_ms(runner: ModelRunner, kv) -> float:
     """The graphed denoise step (SC probabilities given) at the cache's current length, median of 10."""
-    canvas = torch.randint(0, model.cfg.vocab_size, (1, model.cfg.canvas_length))
-    probs = torch.softmax(torch.randn(model.cfg.canvas_length, model.cfg.vocab_size, device="cuda"), -1)
-    ms = timed(lambda: model.denoise(canvas, kv, sc_probs=probs), torch.device("cuda"), 3, 10)
+    canvas = torch.randint(0, runner.cfg.vocab_size, (1, runner.cfg.canvas_length))
+    probs = torch.softmax(torch.randn(runner.cfg.canvas_length, runner.cfg.vocab_size, device="cuda"), -1)
+    ms = timed(lambda: runner.denoise(canvas, kv, sc_probs=probs), torch.device("cuda"), 3, 10)
     return statistics.median(ms)
 
 
@@ -64,11 +65,11 @@ def main() -> None:
         help="the sampler's prefill_f32_max_tokens (its default is 256; the bench's fixed-step sampler 0)",
     )
     args = ap.parse_args()
-    model = random_model(REAL_CONFIG, "cuda", torch.bfloat16, init="hf")
-    canvas = model.cfg.canvas_length
-    kv = model.new_cache(args.prompt + (BLOCKS + 1) * canvas)
+    runner = ModelRunner(random_model(REAL_CONFIG, "cuda", torch.bfloat16, init="hf"))
+    canvas = runner.cfg.canvas_length
+    kv = runner.new_cache(args.prompt + (BLOCKS + 1) * canvas)
     prompt = torch.randint(
-        0, model.cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(0)
+        0, runner.cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(0)
     ).tolist()
     sampler = fixed_steps_sampler(STEPS).replace(prefill_f32_max_tokens=args.f32_max)
     captures = Captures()
@@ -78,7 +79,7 @@ def main() -> None:
         c0, s0 = captures.count, captures.seconds
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = generate(model, prompt, kv, sampler, max_new_tokens=BLOCKS * canvas)
+        out = generate(runner, prompt, kv, sampler, max_new_tokens=BLOCKS * canvas)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         run = {
@@ -98,7 +99,7 @@ def main() -> None:
             f" ids {run['ids_sha1']}",
             flush=True,
         )
-    ms = step_median_ms(model, kv)
+    ms = step_median_ms(runner, kv)
     last = runs[1:]
     denoise = sorted(r["denoise_s"] for r in last)[len(last) // 2]
     left = (denoise - STEPS * BLOCKS * ms / 1e3) / BLOCKS

@@ -1,7 +1,7 @@
 """Microbenchmark of the small per-layer work that has its own Triton kernel: the router's top-k and expert
-sort (`triton_route.route_sort` against the compiled `fused.route` region), the Q/K/V norms with RoPE
-(`triton_qkv.norm_rope` against the compiled `fused.qkv_post` region plus its copy into the cache) and the
-combine (`triton_combine.post_ffn` against the compiled `fused.post_ffn`), at a
+sort (`triton_route.route_sort` against the compiled `regions.route` region), the Q/K/V norms with RoPE
+(`triton_qkv.norm_rope` against the compiled `regions.qkv_post` region plus its copy into the cache) and the
+combine (`triton_combine.post_ffn` against the compiled `regions.post_ffn`), at a
 denoise step's 256 rows and a prefill chunk's 4096, real shapes, bf16. Each timing is a CUDA graph of 10 calls,
 the median of 20 replays, per call. Results go to $OUT/layer_kernels.json when OUT is set.
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from moe_kernels import time_graph  # noqa: E402
 
-from diffgemma.kernels import fused  # noqa: E402
+from diffgemma.kernels import regions as compiled  # noqa: E402
 from diffgemma.kernels import torch_ref as ref  # noqa: E402
 from diffgemma.kernels import triton_combine as tc  # noqa: E402
 from diffgemma.kernels import triton_qkv as tq  # noqa: E402
@@ -110,7 +110,7 @@ def bench_combine(regions: dict, n: int) -> dict:
 
 
 def main() -> None:
-    regions = fused.make_regions()
+    regions = compiled.make_regions()
     results = [bench_route(regions, n) for n in (256, 4096)]
     for kind in ((256, 8, True, (1e4, "default", 1.0)), (512, 2, False, (1e6, "proportional", 0.25))):
         results += [bench_qkv(regions, *kind, t) for t in (256, 4096)]

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from diffgemma.kernels import cuda  # noqa: E402
+from diffgemma.kernels import library  # noqa: E402
 from diffgemma.kernels import triton_moe as tm  # noqa: E402
 
 N, K, E, H, INTER = 256, 8, 128, 2816, 704
@@ -87,8 +87,8 @@ def bench_configs(names: list[str], scenarios: list[str], args, gate_up, down, x
         print(
             f"\n[{scen}] pairs per expert: max {int(counts.max())}, empty experts {int((counts == 0).sum())}"
         )
-        want = cuda.moe_experts_grouped(x, w, ids, gate_up, down)
-        ms = time_graph(lambda w=w, ids=ids: cuda.moe_experts_grouped(x, w, ids, gate_up, down))
+        want = library.moe_experts_grouped(x, w, ids, gate_up, down)
+        ms = time_graph(lambda w=w, ids=ids: library.moe_experts_grouped(x, w, ids, gate_up, down))
         rows.append(dict(scenario=scen, path="grouped", config=None, ms=ms, tbps=tbps(nbytes, ms)))
         print(f"  {'grouped':12s} {ms:7.3f} ms  {tbps(nbytes, ms):5.2f} TB/s")
         for name in names:
@@ -114,7 +114,7 @@ def bench_configs(names: list[str], scenarios: list[str], args, gate_up, down, x
 
 
 def bench_crossover(gate_up, down, g) -> list[dict]:
-    """Grouped vs Triton (the tiles `triton_moe.config_for` picks) as the rows grow: where cuda.moe_experts
+    """Grouped vs Triton (the tiles `triton_moe.config_for` picks) as the rows grow: where library.moe_experts
     should stop dispatching to Triton (its _TRITON_MAX_PAIRS_PER_EXPERT; N=8192 is 512 pairs per expert)."""
     nbytes = (gate_up.numel() + down.numel()) * 2
     rows = []
@@ -126,7 +126,7 @@ def bench_crossover(gate_up, down, g) -> list[dict]:
         w, ids = routing("uniform", None, g, n)
         row = dict(n=n, pairs_per_expert=n * K / E)
         try:
-            for path, fn in (("grouped", cuda.moe_experts_grouped), ("triton", tm.moe_experts_triton)):
+            for path, fn in (("grouped", library.moe_experts_grouped), ("triton", tm.moe_experts_triton)):
                 ms = time_graph(lambda fn=fn, x=x, w=w, ids=ids: fn(x, w, ids, gate_up, down))
                 row[f"{path}_ms"] = ms
             print(

@@ -30,11 +30,13 @@ class FakeModel:
         self.canvases: list[list[int]] = []
         self.sc: list[str] = []
         self.sc_dtypes: list[torch.dtype] = []  # of the SC probabilities passed in
+        self.sc_exact: list[bool] = []
         self.prefilled: list[list[int]] = []
         self.prefill_dtypes: list[torch.dtype | None] = []
 
-    def denoise(self, canvas, kv, sc_logits=None, *, sc_probs=None, sc_seed=False, raw=False):
+    def denoise(self, canvas, kv, sc_logits=None, *, sc_probs=None, sc_seed=False, sc_exact=False, raw=False):
         self.canvases.append(canvas[0].tolist())
+        self.sc_exact.append(sc_exact)
         self.sc.append("probs" if sc_probs is not None else "seed" if sc_seed else "none")
         if sc_probs is not None:
             self.sc_dtypes.append(sc_probs.dtype)

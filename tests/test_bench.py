@@ -35,3 +35,45 @@ def test_bench_defaults_and_usage_errors():
             f"diffgemma: error: {flag} must be at least 10, got 3 (see `diffgemma bench --help`)"
             in proc.stderr
         )
+
+
+def _compare_hf():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "bench" / "compare_hf.py"
+    spec = importlib.util.spec_from_file_location("compare_hf", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_compare_hf_tiny_measures_both_engines_and_checks_the_logits(tmp_path):
+    out = tmp_path / "compare.json"
+    argv = ["--tiny", "--device", "cpu", "--dtype", "float32", "--contexts", "64", "--gen-steps", "2"]
+    assert _compare_hf().main([*argv, "--check-context", "48", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    for engine in ("diffgemma", "transformers"):
+        assert data[engine]["denoise_step_ms"]["64"] > 0 and data[engine]["generate_block_s"] > 0
+    check = data["check_hf"]
+    assert data["transformers_setup"]["shared_parameters"] > 0
+    # fp32 on the same weights: the two implementations agree to rounding, end to end and layer by layer
+    for part in ("end_to_end", "on_hf_cache"):
+        for sc in ("no_sc", "sc"):
+            assert check[part][sc]["max_abs_diff"] < 1e-4 * max(1.0, check[part][sc]["logit_std"])
+            assert check[part][sc]["argmax_agreement"] == 1.0
+    assert check["per_layer"]["reference"]["worst_rel_mean"] < 1e-5
+    assert check["per_layer"]["decoder_input"]["max_abs_diff"] < 1e-5
+
+
+def test_compare_hf_without_transformers_is_one_line_and_exit_2():
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "bench" / "compare_hf.py"
+    script = (
+        "import sys, runpy; sys.modules['transformers'] = None; sys.argv = ['compare_hf.py', '--tiny'];"
+        f"runpy.run_path({str(path)!r}, run_name='__main__')"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "compare_hf: error: transformers is not installed" in proc.stderr

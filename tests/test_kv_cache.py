@@ -11,19 +11,19 @@ from diffgemma.weights.loader import load_model
 
 @torch.no_grad()
 def test_rewind_and_regenerate_restores_kv_bytes_across_the_ring_wrap(tiny_a):
-    model = ModelRunner(load_model(tiny_a, "cpu", torch.float32))  # the reference kernels' aligned prefill
-    kv = model.new_cache(512, ring_size=32)  # window 8, period 48: a ring that wraps twice below
+    runner = ModelRunner(load_model(tiny_a, "cpu", torch.float32))  # the reference kernels' aligned prefill
+    kv = runner.new_cache(512, ring_size=32)  # window 8, period 48: a ring that wraps twice below
     g = torch.Generator().manual_seed(0)
     a = torch.randint(0, 1000, (1, 100), generator=g)
     b = torch.randint(0, 1000, (1, 12), generator=g)
-    model.prefill(a, kv)
+    runner.prefill(a, kv)
     before = kv.fingerprint()
-    model.prefill(b, kv)
+    runner.prefill(b, kv)
     after = kv.fingerprint()
     assert after != before
-    model.rewind(kv, 100)
+    runner.rewind(kv, 100)
     assert kv.fingerprint() == before  # rewinding restores the live KV exactly
-    model.prefill(b, kv)
+    runner.prefill(b, kv)
     assert kv.fingerprint() == after  # and re-extending reproduces it bit for bit
 
 

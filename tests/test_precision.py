@@ -32,3 +32,46 @@ def test_bf16_tracks_fp32_and_f32_prefill_is_closer(tiny_a):
     assert (
         torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.95
     )  # random routers flip experts under bf16 noise
+
+
+def test_route_ties_go_to_the_lower_expert_index():
+    # bf16 router logits tie often; the rule (and the Triton kernel) keeps the lower indices, torch.topk need not
+    from diffgemma.kernels.torch_ref import route_weights
+
+    logits = torch.full((3, 8), -4.0, dtype=torch.bfloat16)
+    logits[0, [1, 2, 6, 7]] = 1.0  # four tied at the top: 1 and 2 win
+    logits[1, [7, 3]] = torch.tensor([2.0, 1.0], dtype=torch.bfloat16)  # no tie: by probability
+    logits[1, [0, 5]] = 1.0  # (and a tie below the top-2)
+    weights, ids = route_weights(logits, torch.ones(8), 2)
+    assert ids[0].tolist() == [1, 2] and ids[1].tolist() == [7, 0] and ids[2].tolist() == [0, 1]
+    assert torch.allclose(weights[0], torch.tensor([0.5, 0.5]))
+
+
+@torch.no_grad()
+def test_exact_soft_embedding_accumulates_fp32_probabilities(tiny_a, monkeypatch):
+    """sc_exact (sc_sparse=False, seed §5): fp32 probabilities on the bf16 embedding in vocabulary chunks, within
+    one rounding of the fp64 product; the default casts the probabilities to bf16 first and is further off."""
+    from diffgemma.model import model as model_module
+
+    monkeypatch.setattr(model_module, "SC_VOCAB_CHUNK", 100)  # several chunks and a partial last one
+    bf16 = load_model(tiny_a, "cpu", torch.bfloat16)
+    probs = torch.softmax(
+        torch.randn(16, bf16.cfg.vocab_size, generator=torch.Generator().manual_seed(0)) * 3, -1
+    )
+    want = probs.double() @ bf16.embed.double()
+    exact = bf16.soft_embedding(probs, exact=True)
+    cast = bf16.soft_embedding(probs)
+    assert exact.dtype == cast.dtype == torch.bfloat16
+    rounded = want.to(torch.bfloat16)  # the correctly rounded product
+    ulp = want.abs().clamp_min(1e-30) * 2.0**-8  # a bf16 ulp at most
+    assert ((exact.double() - want).abs() <= ulp).all()
+    exact_share = (exact == rounded).double().mean()
+    cast_share = (cast == rounded).double().mean()
+    assert exact_share > 0.99 and cast_share < exact_share - 0.05
+    # the model takes that path when asked: denoise with sc_exact uses it, and the default does not
+    kv = bf16.new_cache(64)
+    bf16.prefill(torch.arange(3, 20)[None], kv)
+    canvas = torch.arange(5, 5 + bf16.cfg.canvas_length)[None]
+    a = bf16.denoise(canvas, kv, sc_probs=probs, sc_exact=True)
+    b = bf16.denoise(canvas, kv, sc_probs=probs)
+    assert not torch.equal(a, b)

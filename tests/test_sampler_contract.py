@@ -168,6 +168,54 @@ def test_pad_gate_never_stops_on_an_all_pad_canvas():
     assert res.steps == 2
 
 
+def test_pad_gate_counts_the_filler_sentinel_as_pad():
+    # all filler, and pad and filler mixed: never converged; one real token among them: the canvas may stop
+    cfg = SamplerConfig(max_denoising_steps=15)
+    filler = S.filler_id(V)
+    for ids, steps in (
+        ([filler] * C, 15),
+        ([0, filler] * (C // 2), 15),
+        ([0, filler] * (C // 2 - 1) + [0, 5], 2),
+    ):
+        _, res = run(lambda i, c, ids=ids: peaked(ids, 40.0, V), cfg)
+        assert res.steps == steps, ids
+
+
+def test_invalid_logits_become_the_filler_and_never_converge():
+    assert S.FILLER_TOKEN_ID == 262143 and S.filler_id(262144) == 262143 and S.filler_id(V) == V - 1
+    logits = peaked([4] * C, 40.0, V)
+    logits[[2, 5]] = float("nan")
+    stats = S.row_stats(logits, 0.5)
+    bad = S.guard_invalid_rows(stats, S.filler_id(V))
+    assert bad.tolist() == [r in (2, 5) for r in range(C)]
+    assert (stats.argmax[bad] == V - 1).all() and (stats.p_max[bad] == 0).all()
+    assert (stats.entropy[bad] == math.log(V)).all() and (stats.argmax[~bad] == 4).all()
+    # the worst rows: after every valid one in the accept order, so that at most the first of them is accepted
+    assert S.accept_mask(stats.entropy, 0.1)[bad].sum() <= 1
+    # a forward that is all NaN: every row the filler, the block runs to its last step and commits filler
+    cfg = SamplerConfig(max_denoising_steps=6)
+    _, res = run(lambda i, c: torch.full((C, V), float("nan")), cfg)
+    assert res.steps == 6 and res.tokens == [V - 1] * C
+
+
+def test_dense_sc_is_the_exact_path_in_fp32():
+    # sc_sparse=False (seed §5's exact path): fp32 probabilities with sc_exact, not the 16-bit graph buffer
+    model = FakeModel(V, C, lambda i, c: torch.randn(C, V), dtype=torch.bfloat16)
+    denoise_block(model, FakeKV(), SamplerConfig(max_denoising_steps=3, sc_sparse=False), 3, C)
+    assert model.sc_dtypes == [torch.float32, torch.float32] and model.sc_exact == [False, True, True]
+    model = FakeModel(V, C, lambda i, c: torch.randn(C, V), dtype=torch.bfloat16)
+    denoise_block(model, FakeKV(), SamplerConfig(max_denoising_steps=3), 3, C)
+    assert model.sc_exact == [False, False, False]
+
+
+def test_lcg_known_values():
+    # state <- state * 6966169279 + 1039523323 (mod 2^64) from seed + 1, a draw the high 32 bits (seed §6)
+    rng = Rng(0)
+    assert [rng.next_u32() for _ in range(4)] == [1, 99832574, 1806711590, 3679581957]
+    assert Rng(42).u32(3).tolist() == [69, 2198511578, 3771479198]
+    assert Rng(0).tokens(4, 262144).tolist() == [0, 6093, 110272, 224583]  # floor(u32 * V / 2^32)
+
+
 def test_max_steps_bounds_an_unsure_canvas():
     _, res = run(lambda i, c: torch.zeros(C, V), SamplerConfig(max_denoising_steps=7))
     assert res.steps == 7

@@ -10,8 +10,8 @@ import torch
 from tokenizers import Tokenizer
 
 from diffgemma.kernels import torch_ref
+from diffgemma.train import batches, data, forward, trainer
 from diffgemma.train import checkpoint as ckpt
-from diffgemma.train import data, forward, trainer
 from diffgemma.train.trainer import TrainConfig
 from diffgemma.weights.download import bundled_model
 
@@ -20,10 +20,10 @@ def _tok() -> Tokenizer:
     return Tokenizer.from_file(str(bundled_model() / "tokenizer.json"))
 
 
-def _batch(tok: Tokenizer, n: int, seed: int) -> tuple[list[data.Example], trainer.Batch]:
+def _batch(tok: Tokenizer, n: int, seed: int) -> tuple[list[data.Example], batches.Batch]:
     exs = data.generate(n, seed=seed, tasks={"retrieval_short": 1.0, "arith": 0.5})
-    return exs, trainer.collate(
-        trainer.make_batch(tok, exs, random.Random(seed), 32, 0.25, lookups=True), 320
+    return exs, batches.collate(
+        batches.make_batch(tok, exs, random.Random(seed), 32, 0.25, lookups=True), 320
     )
 
 
@@ -88,7 +88,7 @@ def test_training_on_the_lookup_loss_moves_the_attention():
     cfg.mix = ",".join(f"{t}=0" for t in data.TASK_WEIGHTS if t != "retrieval_short")
     model = ckpt.build_model(trainer.model_config(cfg, tok.get_vocab_size()), 0, "cpu")
     opt = torch.optim.AdamW(trainer.param_groups(model, 0.0), lr=3e-3)
-    micro = trainer.batches_for_step(cfg, tok, 0)  # one batch, seen again and again
+    micro = batches.batches_for_step(cfg, tok, 0)  # one batch, seen again and again
     nll = []
     for _ in range(30):
         stats = trainer.step_body(model, opt, micro, False, False, 1.0, cfg, contextlib.nullcontext)

@@ -11,8 +11,9 @@ import torch
 
 import diffgemma
 from diffgemma.train import data
+from diffgemma.train.batches import bucket_rows, retrieval_cap, task_weights
 from diffgemma.train.tokenizer import demo_tokenizer
-from diffgemma.train.trainer import TrainConfig, bucket_rows, retrieval_cap, task_weights, train
+from diffgemma.train.trainer import TrainConfig, train
 from diffgemma.weights.download import bundled_model
 
 
@@ -167,14 +168,14 @@ def test_train_cli_rejects_bad_options_in_one_line(tmp_path):
 
 def test_non_finite_step_is_skipped():
     """A step whose gradient is NaN leaves the weights and the optimizer state untouched."""
+    from diffgemma.train import batches, trainer
     from diffgemma.train import checkpoint as ckpt
-    from diffgemma.train import trainer
 
     tok = demo_tokenizer(data.tokenizer_corpus(200), vocab_size=512)
     cfg = TrainConfig(out="", preset="tiny", batch=6, vocab_size=512, canvas_length=16)
     model = ckpt.build_model(trainer.model_config(cfg, tok.get_vocab_size()), 0, "cpu")
     opt = torch.optim.AdamW(trainer.param_groups(model, 0.05), lr=1e-3)
-    micro = trainer.batches_for_step(cfg, tok, 0)
+    micro = batches.batches_for_step(cfg, tok, 0)
     stats = trainer.step_body(model, opt, micro, False, True, 1.0, cfg, contextlib.nullcontext)
     assert stats[4] == 0 and stats[0] > 0  # a normal step: not skipped, a loss
     with torch.no_grad():

@@ -28,7 +28,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _check_moe() -> None:
     """Runs in the subprocess. Expert 0 gets no pair, expert 1 one pair per row (40: several M-tiles and,
     with m_slots=2, several per slot), experts 2-5 the rest; x is a strided view."""
-    from diffgemma.kernels import library as cuda
+    from diffgemma.kernels import library
     from diffgemma.kernels import torch_ref as ref
     from diffgemma.kernels import triton_moe as tm
 
@@ -83,7 +83,7 @@ def _check_moe() -> None:
     # every rounding toward zero (rel 1.7e-2 here); this pins the bf16 plumbing (a wrong row, column or
     # weight gives rel ~1), not the rounding, which tests/gpu/test_triton_moe.py pins
     bf = [t.bfloat16() for t in (x, gate_up, down)]
-    grouped = cuda.moe_experts_grouped(bf[0], weights, ids, bf[1], bf[2])
+    grouped = library.moe_experts_grouped(bf[0], weights, ids, bf[1], bf[2])
     for name, cfg in configs.items():
         got = tm.moe_experts_triton(bf[0], weights, ids, bf[1], bf[2], cfg)
         assert got.dtype == torch.bfloat16
@@ -94,7 +94,7 @@ def _check_softmax() -> None:
     """exp_rows: p / sums is the softmax (and p is 0 past a row's limit) for rows longer than one block and not a
     multiple of it, a wide range of scores, fp32 and bf16 out, causal limits and a device-side count of valid
     columns; divide_rows into o_proj's rows."""
-    from diffgemma.kernels import library as cuda
+    from diffgemma.kernels import library
     from diffgemma.kernels import triton_softmax as ts
 
     def check(x, causal=None, n_valid=None, dtype=torch.float32, tol=1e-6, tail=None):
@@ -106,7 +106,7 @@ def _check_softmax() -> None:
         if causal is not None:
             keep = keep & (cols[None, :] < causal[0] + torch.arange(x.shape[-2])[:, None] % causal[1])
         want = torch.softmax(x.double().masked_fill(~keep, float("-inf")), dim=-1)
-        for exp in (ts.exp_rows, cuda.exp_to):  # the kernel, and the torch path on the CPU
+        for exp in (ts.exp_rows, library.exp_to):  # the kernel, and the torch path on the CPU
             p, sums = exp(x, dtype, None if tail else causal, valid, tail)
             assert p.shape == x.shape and p.dtype == dtype and sums.shape == x.shape[:-1]
             assert bool(torch.isfinite(p).all()) and bool((p.masked_select(~keep.expand_as(p)) == 0).all())
@@ -243,11 +243,11 @@ def _check_route_from() -> None:
 
 
 def check_norm_rope(dtype: torch.dtype, device: str, t: int, tol: float, min_exact: float = 0.0) -> None:
-    """`triton_qkv.norm_rope` against the eager `fused.qkv_post` for both layer kinds (sliding: own V, default
+    """`triton_qkv.norm_rope` against the eager `regions.qkv_post` for both layer kinds (sliding: own V, default
     RoPE; full: V = raw K, proportional RoPE), into a new tensor and into a strided view (the cache's canvas
     slots). tol: max abs difference over the output's max abs; min_exact: the share of elements that must
     equal the eager ones bit for bit (also run by tests/gpu)."""
-    from diffgemma.kernels import regions as fused
+    from diffgemma.kernels import regions
     from diffgemma.kernels import torch_ref as ref
     from diffgemma.kernels import triton_qkv as tq
 
@@ -263,7 +263,7 @@ def check_norm_rope(dtype: torch.dtype, device: str, t: int, tol: float, min_exa
         pos = torch.arange(30000, 30000 + t, device=device)
         q3, k3 = qkv[:, : nq * hd].view(t, nq, hd), qkv[:, nq * hd : (nq + nkv) * hd].view(t, nkv, hd)
         v3 = qkv[:, (nq + nkv) * hd :].view(t, nkv, hd) if has_v else None
-        want = fused.qkv_post(q3, k3, v3, qn, kn, inv, pos, 1e-6, True)
+        want = regions.qkv_post(q3, k3, v3, qn, kn, inv, pos, 1e-6, True)
         cos, sin = ref.rope_cos_sin(inv, pos, dtype)
         cache = torch.zeros(2, nkv, t + 9, hd, device=device, dtype=dtype)
         for out in (None, cache[:, :, 4 : 4 + t]):
@@ -299,9 +299,9 @@ def _check_qkv() -> None:
 
 
 def _check_combine() -> None:
-    """`triton_combine.post_ffn` against the eager `fused.post_ffn`, with and without the next layer's norm; H
+    """`triton_combine.post_ffn` against the eager `regions.post_ffn`, with and without the next layer's norm; H
     not a power of two. fp16: the interpreter rounds it as the GPU does, so the roundings are compared too."""
-    from diffgemma.kernels import regions as fused
+    from diffgemma.kernels import regions
     from diffgemma.kernels import triton_combine as tc
 
     g = torch.Generator().manual_seed(5)
@@ -317,7 +317,7 @@ def _check_combine() -> None:
         y = torch.randn(n * k, hid, generator=g).to(dt)
         for w_next in (norms[2], None):
             args = (h, dense, y, slot, w, norms[0], norms[1], scalar, w_next, 1e-6)
-            want, got = fused.post_ffn(*args), tc.post_ffn(*args)
+            want, got = regions.post_ffn(*args), tc.post_ffn(*args)
             assert (got[1] is None) == (w_next is None)
             for a, b in zip(got, want, strict=True):
                 if b is None:
@@ -359,7 +359,7 @@ def check_row_stats(logits: torch.Tensor, temp: float) -> None:
     assert no_probs is None and sc2 is out and torch.equal(out, sc)
     # into a bf16 buffer (a denoise graph's input), sparse and dense alike: the fp32 values rounded, within a bf16
     # ulp. On the H200 the compiled bf16 variant's p rounded to the other side of a midpoint in 7 of 67M elements
-    # of a real-shape step (bench/results/session16/); Triton 3.6's interpreter truncates.
+    # of a real-shape step (docs/performance.md, "Sampler row pass"); Triton 3.6's interpreter truncates.
     for lf, want_p, want_sc in ((floor, None, sc), (None, probs, probs)):
         out = torch.full_like(logits, float("nan"), dtype=torch.bfloat16)
         got_p, sc3, *_ = ts.row_stats(logits, temp, lf, need_probs=want_p is not None, sc_out=out)

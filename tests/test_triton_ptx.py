@@ -1,7 +1,7 @@
 """Triton kernels whose roundings must match the eager ops, compiled for an H100/H200 (sm_90) on this machine
 (no GPU needed): their PTX must have no fused multiply-add. With them on (Triton's default) the compiler turned
 `(x * cos).to(bf16) + (rotate(x) * sin).to(bf16)` in the Q/K/V norm + RoPE kernel into `fma.rn.bf16`, which left
-24% of Q's elements one rounding off on an H200 (bench/results/README.md, tenth session)."""
+24% of Q's elements one rounding off on an H200 (docs/performance.md, "Attention kernels")."""
 
 from __future__ import annotations
 

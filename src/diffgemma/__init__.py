@@ -1,8 +1,17 @@
 """diffgemma: an inference engine for DiffusionGemma, the block-diffusion Gemma 4 MoE."""
 
-from diffgemma.config import ModelConfig, SamplerConfig
+from diffgemma.config import ModelConfig, RuntimeConfig, SamplerConfig
 from diffgemma.engine.engine import Engine, load
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo
 
-__all__ = ["CancelToken", "Engine", "GenerateOutput", "ModelConfig", "SamplerConfig", "StepInfo", "load"]
+__all__ = [
+    "CancelToken",
+    "Engine",
+    "GenerateOutput",
+    "ModelConfig",
+    "RuntimeConfig",
+    "SamplerConfig",
+    "StepInfo",
+    "load",
+]
 __version__ = "0.1.0"

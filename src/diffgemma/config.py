@@ -230,7 +230,7 @@ class SamplerConfig:
     first_step_sc_seed: bool = True  # 2: step 1 runs the SC MLP on the canvas's own embedding
     plateau_steps: int = 8  # 3: stop when the accept mask is unchanged this many steps (0 = off) ...
     plateau_mean_entropy: float = 0.05  # ... and mean entropy is below this
-    pad_gate: bool = True  # 4: an all-pad argmax canvas never early-stops
+    pad_gate: bool = True  # 4: an argmax canvas of nothing but pad and filler ids never early-stops
     canvas_shrink: bool = (
         False  # 5: MLX shrinks the last canvas to max(remaining, 64); the seed keeps it fixed
     )

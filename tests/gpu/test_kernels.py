@@ -626,3 +626,18 @@ def test_combine_matches_region(n):
     for a, b in zip(tc.post_ffn(*args), regions.post_ffn(*args), strict=True):
         assert rel(a, b) < 1e-2
         assert float((a == b).float().mean()) >= 0.999
+
+
+def test_invalid_logits_guard_on_the_triton_row_pass():
+    """A NaN row in the LM head's bf16 output (a degenerate forward): the Triton row pass gives it a non-finite
+    entropy, which the guard turns into the filler sentinel; the other rows keep their argmax."""
+    from diffgemma.engine import sampler as S
+
+    raw = torch.randn(256, 262144, device=DEV, dtype=torch.bfloat16)
+    raw[:, 7] = 40.0
+    raw[3] = float("nan")
+    stats = S.row_stats(raw, 0.7, sc_sparse=True, need_probs=False, softcap=30.0)
+    assert "triton_sampler" not in dispatch.failed
+    bad = S.guard_invalid_rows(stats, S.filler_id(262144))
+    assert bad.nonzero().flatten().tolist() == [3]
+    assert stats.argmax[3] == 262143 and (stats.argmax[bad.logical_not()] == 7).all()

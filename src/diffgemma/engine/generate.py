@@ -111,7 +111,8 @@ def denoise_block(
     if not cfg.denoiser_argmax:
         uniforms = torch.from_numpy(rng.uniforms(n * canvas_len).reshape(n, canvas_len)).to(device)
     canvas = noise[0]
-    stops = S.StopState(cfg, cfg.pad_token_id)
+    filler = S.filler_id(vocab)
+    stops = S.StopState(cfg, cfg.pad_token_id, filler)
     stats = None
     for i in range(n):
         if cancel is not None and cancel.cancelled:
@@ -122,11 +123,12 @@ def denoise_block(
         # applies as it reads them, before the next step overwrites them; the next SC input goes straight into
         # the graph's input buffer once there is one.
         if stats is not None:
-            logits = model.denoise(canvas[None], kv, sc_probs=stats.sc, raw=True)
+            logits = model.denoise(canvas[None], kv, sc_probs=stats.sc, sc_exact=not cfg.sc_sparse, raw=True)
         else:
             logits = model.denoise(canvas[None], kv, sc_seed=cfg.first_step_sc_seed, raw=True)
-        sc_out = model.sc_input_buffer(kv, canvas_len)
-        if sc_out is None:
+        # The dense SC input is the exact path: fp32 probabilities, not the graph's 16-bit buffer (seed §5).
+        sc_out = model.sc_input_buffer(kv, canvas_len) if cfg.sc_sparse else None
+        if sc_out is None and cfg.sc_sparse:
             # No graph yet: a buffer in the dtype a graph's would have. Written in fp32 and cast by torch, the SC
             # input was one ulp off the sampler's own rounding in a few elements, so a first request that
             # captured graphs got other ids than the same request later (docs/performance.md, "Sampler row pass").
@@ -134,8 +136,11 @@ def denoise_block(
         stats = S.row_stats(
             logits[0], temp, cfg.sc_sparse, uniforms is not None, sc_out, model.cfg.final_logit_softcapping
         )
+        invalid = S.guard_invalid_rows(stats, filler)
         mask = S.accept_mask(stats.entropy, cfg.entropy_bound)
-        denoised = stats.argmax if uniforms is None else S.categorical(stats.probs, uniforms[i])
+        denoised = stats.argmax
+        if uniforms is not None:
+            denoised = torch.where(invalid, filler, S.categorical(stats.probs, uniforms[i]))
         canvas = torch.where(mask, denoised, noise[i + 1])  # renoise every non-accepted row
         stop = stops.update(i + 1, stats.argmax, stats.entropy, mask)
         if on_step is not None:

@@ -15,6 +15,12 @@ from diffgemma.kernels import dispatch
 from diffgemma.kernels import torch_ref as ref_ops
 
 SC_SPARSE_LOG_RATIO = -10.0  # seed §5: survivors have p >= e^-10 * row max
+FILLER_TOKEN_ID = 262143  # seed §1's filler sentinel: the argmax of a row whose logits were not finite
+
+
+def filler_id(vocab: int) -> int:
+    """The filler sentinel inside this vocabulary (the last id of a smaller test vocabulary)."""
+    return min(FILLER_TOKEN_ID, vocab - 1)
 
 
 def temperature(cfg: SamplerConfig, remaining: int) -> float:
@@ -65,6 +71,18 @@ def row_stats(
     return RowStats(probs, sc, entropy, argmax, p_max)
 
 
+def guard_invalid_rows(stats: RowStats, filler: int) -> torch.Tensor:
+    """The invalid-logits guard: a row whose logits were not finite (a degenerate forward's NaN) takes the filler
+    sentinel as its argmax, the largest entropy a row can have (log V: accepted only as the lowest row, never
+    converged) and top probability 0. Returns the rows' mask [C]."""
+    bad = ~torch.isfinite(stats.entropy)
+    log_v = math.log(stats.sc.shape[-1])
+    stats.argmax = torch.where(bad, filler, stats.argmax)
+    stats.entropy = torch.where(bad, log_v, stats.entropy)
+    stats.p_max = torch.where(bad, 0.0, stats.p_max)
+    return bad
+
+
 def triton_rows(logits: torch.Tensor, softcapped_here: bool = False) -> bool:
     """Whether the Triton row pass takes these rows: 2-D with unit column stride, fp32 (any float dtype when the
     kernel softcaps them)."""
@@ -101,9 +119,9 @@ def sc_probs(probs: torch.Tensor, sparse: bool, p_max: torch.Tensor | None = Non
 class StopState:
     """Early-stop rules of seed §6.6, evaluated on device tensors."""
 
-    def __init__(self, cfg: SamplerConfig, pad_id: int):
+    def __init__(self, cfg: SamplerConfig, pad_id: int, filler: int = FILLER_TOKEN_ID):
         self.cfg = cfg
-        self.pad_id = pad_id
+        self.pad_id, self.filler = pad_id, filler
         self.history: list[torch.Tensor] = []  # previous argmax canvases, newest last
         self.prev_mask: torch.Tensor | None = None
         self.plateau_run: torch.Tensor | None = None  # consecutive steps with an unchanged accept mask
@@ -135,6 +153,6 @@ class StopState:
 
         if cfg.entropy_stop > 0 and step >= cfg.entropy_stop_min_steps:
             stop |= mean_h < cfg.entropy_stop
-        if cfg.pad_gate:
-            stop &= ~(argmax == self.pad_id).all()
+        if cfg.pad_gate:  # a canvas of nothing but pad and filler is a degenerate forward, not an answer
+            stop &= ~((argmax == self.pad_id) | (argmax == self.filler)).all()
         return stop

@@ -129,7 +129,7 @@ class Kernels:
 
     def experts(self, x: torch.Tensor, routing: Routing, layer, p: Pass) -> torch.Tensor:
         """Each (row, expert) pair's expert output [N*k, H], in sorted pair order, unweighted."""
-        k = routing.ids.shape[1]
+        k = routing.weights.shape[1]
         if self.experts_mode == "dense":
             return _experts_dense(x, routing, k, layer.experts_gate_up, layer.experts_down)
         return ref.experts_sorted(
@@ -182,6 +182,16 @@ class FastKernels(Kernels):
         return self.prefill_regions if p.phase == PREFILL else self.regions
 
     @staticmethod
+    def _geometry(p: Pass) -> torch.Tensor:
+        """The pass's cache geometry on the device: the runner's buffer (what its CUDA graph reads), else made here
+        from the row's cache, with the exact key count."""
+        if p.geometry is None:
+            kv = p.caches[0]
+            p.geometry = torch.tensor(kv.denoise_geometry(p.t), dtype=torch.int32, device=kv.device)
+            p.full_keys = kv.length + p.t
+        return p.geometry
+
+    @staticmethod
     def _wide(x: torch.Tensor, weight: torch.Tensor) -> bool:
         """fp32 activations on 16-bit weights: the reference steps serve."""
         return x.dtype == torch.float32 and weight.dtype != torch.float32
@@ -207,7 +217,8 @@ class FastKernels(Kernels):
         kv_out = kv_slot = None
         if p.phase in (DENOISE, COMMIT):
             kv_out = p.caches[0].kv[layer.idx]
-            kv_slot = p.geometry[3:4] if layer.sliding else p.geometry[0:1]
+            geo = self._geometry(p)
+            kv_slot = geo[3:4] if layer.sliding else geo[0:1]
         cos, sin = p.cos_sin("sliding" if layer.sliding else "full", inv_freq, qkv.dtype)
         if hd >= 2 and hd & (hd - 1) == 0:
             out = dispatch.attempt(
@@ -233,8 +244,8 @@ class FastKernels(Kernels):
     def attention(self, q, kv, layer, p: Pass, window: int):
         cache = p.caches[0]
         if p.phase == PREFILL:
-            return self._prefill_attention(q, kv, layer, cache, p)
-        geo, c = p.geometry, q.shape[2]
+            return self._prefill_attention(q, kv, layer, cache, p, window)
+        geo, c = self._geometry(p), q.shape[2]
         buf = cache.kv[layer.idx]  # the canvas's K/V already sit in its canvas slots (`qk_norm_rope`)
         causal = p.phase == COMMIT
         if layer.sliding:  # the window before the canvas and the canvas: slots geo[1] .. geo[1] + geo[2]
@@ -250,12 +261,15 @@ class FastKernels(Kernels):
         return ref.rows(out)
 
     @staticmethod
-    def _prefill_attention(q, chunk, layer, cache, p: Pass) -> torch.Tensor:
+    def _prefill_attention(q, chunk, layer, cache, p: Pass, window: int) -> torch.Tensor:
         """A prefill chunk's causal attention over the cached past and itself, as rows [T, H*d]; writes the
         chunk's K/V. A sliding layer's window is copied into the attention's buffer before the write may
-        overwrite it."""
+        overwrite it. The sliding layers share one mask (`library.window_bias`): they see the same positions."""
         start, t = p.starts[0], p.t
         if layer.sliding:
+            if p.window_bias is None:
+                gqa = layer.n_heads // layer.n_kv
+                p.window_bias = library.window_bias(min(start, window - 1), t, window, gqa, q.dtype, q.device)
             out = library.attention_window(q, cache.span(layer.idx, start).to(q.dtype), chunk, p.window_bias)
             cache.write(layer.idx, start, chunk)
             return out

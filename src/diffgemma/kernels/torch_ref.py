@@ -117,6 +117,12 @@ def sort_pairs(ids: torch.Tensor, n_exp: int) -> tuple[torch.Tensor, torch.Tenso
     return F.pad(offs, (1, 0)), perm, slot
 
 
+# A GEMM of one or two rows takes the CPU BLAS's GEMV path, whose sums differ from its GEMM's in the last bits: an
+# expert's rows are padded to at least this many, so that a row's output does not depend on which other rows (of
+# its canvas, or of other canvases in the batch) share its expert.
+EXPERT_MIN_ROWS = 4
+
+
 def experts_sorted(
     x: torch.Tensor,
     perm: torch.Tensor,
@@ -134,8 +140,9 @@ def experts_sorted(
         a, b = edges[e], edges[e + 1]
         if a == b:
             continue
-        gate, up = F.linear(x[perm[a:b] // k], gate_up[e].to(x.dtype)).chunk(2, dim=-1)
-        y[a:b] = F.linear(gelu_tanh(gate) * up, down[e].to(x.dtype))
+        rows = F.pad(x[perm[a:b] // k], (0, 0, 0, max(0, EXPERT_MIN_ROWS - (b - a))))
+        gate, up = F.linear(rows, gate_up[e].to(x.dtype)).chunk(2, dim=-1)
+        y[a:b] = F.linear(gelu_tanh(gate) * up, down[e].to(x.dtype))[: b - a]
     return y
 
 

@@ -298,10 +298,8 @@ def attention_splitkv(
     return result
 
 
-# Sliding-window prefill tiles, from bench/attention_prefill_window.py --sweep on an H200 (T = 4,096, window
-# 1,024, d = 256; bench/results/prefill_window_sweep/): 202 us a layer against 338 us for the split-KV kernel's
-# 64/64/4 warps and 460 us for the SDPA path. Shared memory: the 64 KB Q tile and 32 KB each of K and V a stage,
-# 192 KB of the 227 KB; 3 stages do not fit.
+# Sliding-window prefill tiles: the best of 12 tilings at T = 4,096 (docs/performance.md, "Attention kernels").
+# Shared memory: the 64 KB Q tile and 32 KB each of K and V a stage, 192 KB of the 227 KB; 3 stages do not fit.
 WINDOW_BLOCK_M = 128
 WINDOW_BLOCK_N = 64
 WINDOW_NUM_WARPS = 8

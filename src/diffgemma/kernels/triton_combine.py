@@ -1,9 +1,9 @@
-"""The end of a layer's FFN half (`fused.post_ffn`) as one Triton kernel: the sum of each row's k expert outputs,
+"""The end of a layer's FFN half (`regions.post_ffn`) as one Triton kernel: the sum of each row's k expert outputs,
 the three norms, the residual, the layer scalar and the next layer's input norm, a program per row with the whole
 row in registers, so that the expert outputs are read once.
 
 The compiled region does the same in one inductor kernel that loops over the row once per norm. This kernel
-rounds where the eager ops of `fused.post_ffn` do (fp32 sums, each op's result in the activation dtype) and is
+rounds where the eager ops of `regions.post_ffn` do (fp32 sums, each op's result in the activation dtype) and is
 launched without fused multiply-adds (they would skip those roundings, as in `triton_qkv`).
 """
 
@@ -78,7 +78,7 @@ def post_ffn(
     w_next: torch.Tensor | None,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`fused.post_ffn` (same arguments, same results) as one kernel. h, dense [N, H] contiguous in the
+    """`regions.post_ffn` (same arguments, same results) as one kernel. h, dense [N, H] contiguous in the
     activation dtype; y [N*k, H]; slot, weights [N, k] (or flat)."""
     n, hid = h.shape
     k = weights.shape[-1] if weights.dim() == 2 else weights.numel() // n

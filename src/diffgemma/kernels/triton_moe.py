@@ -13,7 +13,7 @@ in turn), gathers the x rows inside the kernel, accumulates gate (rows nb*BLOCK_
 (rows I + nb*BLOCK_N..) in fp32 over H, rounds both to x's dtype as the grouped GEMM's output is, and
 stores gelu_tanh(gate) * up (rounded like the eager ops) to `act` [N*k, I] in sorted order. Kernel 2,
 grid (E * m_slots, cdiv(H, BLOCK_N)): act @ down[e][cols].T, rounded to x's dtype, stored to `y`
-[N*k, H] in sorted order, as the grouped GEMM's output is; the combine (`fused.post_ffn`) weights each row's
+[N*k, H] in sorted order, as the grouped GEMM's output is; the combine (`regions.post_ffn`) weights each row's
 k outputs in fp32 and sums them: deterministic (no atomics), and the same rounding sequence as the grouped
 path. (Kernel 2 used to weight its outputs and store them in fp32 in (row, j) order: twice the bytes written
 and read back.) H and I are compile-time constants (one compile per model shape). Tile sizes come from a fixed table
@@ -67,12 +67,8 @@ class MoeConfig:
 # An expert with more pairs than block_m * m_slots walks its weight slice more than once, and with every SM
 # streaming its own slice the later walks mostly miss L2. At a denoise step's ~16 pairs per expert
 # (binomial, sd ~4) that is ~40% of the experts for 16 x 1 and almost none for 32 x 1 or 16 x 2; padded rows
-# cost masked (free) loads and idle MMA lanes only. "base" is the starting design. DEFAULT_CONFIG was chosen by
-# bench/moe_kernels.py on the H200 (bench/results/h200_moe.json): per layer, uniform routing, m32 and m32_s2
-# 0.44 ms (3.47 TB/s) against 0.55 for base and 0.67 for the grouped GEMMs; with skewed routing (max 229 pairs
-# on an expert, 68 experts empty, as trained routers do) m32_s2 0.37 ms against 0.45 for m32.
-# m32_s2_tma (its weights through TMA descriptors) against m32_s2 (bench/results/moe_tma/): skewed 0.399 against
-# 0.407 ms, uniform 0.477 against 0.478; the denoise step 16.90 / 16.94 against 16.98 ms at 1k.
+# cost masked (free) loads and idle MMA lanes only. "base" is the starting design; what each named config
+# measured against the others: docs/performance.md, "Expert kernels".
 CONFIGS: dict[str, MoeConfig] = {
     "base": MoeConfig(Tiles(), Tiles()),
     "m32": MoeConfig(Tiles(block_m=32, num_stages=3), Tiles(block_m=32)),
@@ -99,38 +95,18 @@ CONFIGS: dict[str, MoeConfig] = {
         Tiles(block_m=32, m_slots=2, num_stages=3, tma=True, cols_fast=True, swap_ab=True),
     ),
 }
-# m32_s2_tma_cf against m32_s2_tma (bench/results/session18/): the down kernel 128.8 against 133.1 us a layer
-# alone (an expert's down weight is one contiguous 4 MB, and its 44 column blocks side by side read it as a
-# stream), the denoise step 16.09 / 16.13 against 16.30 / 16.28 ms at 1k and 20.07 / 20.02 against 20.21 /
-# 20.17 at 32k in one process. The gate_up kernel in that order: 246.2 us either way, so it keeps the default.
-# m32_s2_tma_swap: both kernels on the transposed product, so that at block_m 32 the MMAs are Hopper's wgmma
-# (weights as its 64-row side, from shared memory) and not mma.sync fed by ldmatrix. One layer's experts
-# (bench/moe_kernels.py timing): uniform routing 0.486 against 0.489 ms, skewed 0.381 against 0.410; the
-# denoise step (with the down kernel at 4 stages) 16.06 / 16.10 against 16.15 / 16.17 ms at 1k, 19.84 / 19.91
-# against 19.98 / 20.11 at 32k, the same logits bit for bit.
-# The same with gate_up at 5 stages (200 KB of shared memory) and 3 M-slots (bench/results/session24/). 5 stages:
-# alone 236.6 against 240.6 us uniform and 177.2 against 181.0 skewed; the denoise step in one process 15.344
-# against 15.477 / 15.483 ms at 1k and 18.473 against 18.609 / 18.573 at 32k, the same logits bit for bit.
-# 3 M-slots on top: alone 161.1 against 178.2 us skewed (a busy expert's tiles over three programs), 241.9
-# against 242.3 uniform; the step 15.700 against 15.698 / 15.799 ms at 1k and 18.855 against 19.049 / 18.937 at
-# 32k (a noisy machine), the same logits. Down with 3 M-slots too: 15.746 / 19.025, not kept.
+# The kept tiles: the transposed product through TMA (wgmma at 32 pairs a tile), down's column blocks on the
+# grid's fast axis, gate_up at 5 stages and 3 M-slots (docs/performance.md, "Expert kernels").
 CONFIGS["m32_tma_swap_g5s3"] = MoeConfig(
     dataclasses.replace(CONFIGS["m32_s2_tma_swap"].gate_up, num_stages=5, m_slots=3),
     CONFIGS["m32_s2_tma_swap"].down,
 )
 DEFAULT_CONFIG = "m32_tma_swap_g5s3"
-# fp32 activations (a short prompt's prefill, three MMAs a step) take the 4-stage tiles, as x's fp32 tiles make
-# five stages of gate_up 240 KB of shared memory: on the transposed product one layer of a 200-token prefill took
-# 786 against 1,331 us for m32_s2 (mma.sync, pointer loads), the same outputs bit for bit
-# (bench/results/session18/). Through TMA without it, gate_up took 16.8 ms against 0.79
-# (bench/results/moe_tma/README.md).
+# fp32 activations (a short prompt's prefill, three MMAs a step) take the 4-stage tiles: with x's fp32 tiles five
+# stages of gate_up would need 240 KB of shared memory (docs/performance.md, "Expert kernels").
 SPLIT3_CONFIG = "m32_s2_tma_swap"
-# A prefill chunk routes hundreds of pairs to an expert: large tiles on the plain product, and m_slots 6 so
-# that a popular expert's tiles spread over six programs. Against the grouped chain it replaced (the gather,
-# grouped_mm, the compiled gelu*up, grouped_mm; bench/results/session20/), per layer: 1,024 tokens 480 against
-# 557 us (uniform routing) and 387 against 477 (skewed); 2,048 tokens 647 against 772 and 669 against 787;
-# 4,096 tokens 1,037 against 1,079 and 1,044 against 1,041. Prefill with them in one process: 1k tokens 42.0k
-# against 38.1k tok/s, 2k 53.1k against 47.1k, 8k (chunks of 8,192) 59.4k against 57.4k.
+# A prefill chunk routes hundreds of pairs to an expert: large tiles on the plain product, and m_slots 6 so that a
+# popular expert's tiles spread over six programs (docs/performance.md, "Prefill and the pairs-per-expert limit").
 CONFIGS["prefill"] = MoeConfig(
     Tiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, m_slots=6, tma=True),
     Tiles(

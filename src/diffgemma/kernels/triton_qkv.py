@@ -2,7 +2,7 @@
 V rms_norm'd without scale (on full layers V is the raw K), each written head-major ([heads, T, d]) where
 attention and the cache want it.
 
-On an H200 the compiled region doing this (`fused.qkv_post`, three kernels) and the copy of the canvas's K/V into
+On an H200 the compiled region doing this (`regions.qkv_post`, three kernels) and the copy of the canvas's K/V into
 the cache took 29 us a denoise layer for ~8 MB of traffic; this kernel takes 4 us, 15 with the cos/sin tables
 (bench/layer_kernels.py). A program owns BLOCK_T tokens of one head: it reads their [BLOCK_T, d] slice of the
 GEMM output and writes it to the head's rows. K and V can go straight into the cache's canvas slots (any
@@ -110,7 +110,7 @@ def norm_rope(
     kv_slot: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv [T, (n_heads + n_kv (+ n_kv if has_v)) * d], the merged GEMM's output -> (q [1, n_heads, T, d]
-    contiguous, kv [2, n_kv, T, d]): `fused.qkv_post`'s outputs with stacked K and V. `kv_out`: where to write
+    contiguous, kv [2, n_kv, T, d]): `regions.qkv_post`'s outputs with stacked K and V. `kv_out`: where to write
     K and V (e.g. the cache's canvas slots), else a new tensor. cos/sin: `torch_ref.rope_cos_sin` tables.
 
     `kv_slot` (int32 [1] on the device): kv_out is a layer's whole cache buffer [2, n_kv, slots, d] and token t's

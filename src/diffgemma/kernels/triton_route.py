@@ -1,7 +1,7 @@
 """The router's top-k and the expert sort, from the router logits [N, E] to what the MoE kernels take (the
 routing weights, the pairs sorted by expert, each expert's bounds), in two Triton kernels.
 
-On an H200 the same work as torch ops (`fused.route`: softmax, top-k, its sort, renormalise, and a counting
+On an H200 the same work as torch ops (`regions.route`: softmax, top-k, its sort, renormalise, and a counting
 sort by cumsum over a one-hot) took 25 us a denoise layer (N = 256) in 7 kernels, 132 us at N = 4096.
 
 Pass 1, a program per block of rows: softmax in fp32, the top k by repeated argmax (the lowest column among
@@ -14,9 +14,8 @@ for pass 2 took 71 us a layer at N = 4096, in its loop over the 32,768 pairs.)
 
 `route_sort_from` starts from the router's input instead: a third kernel multiplies it by the router's weight in
 splits of H (fp32 partial products), and pass 1 sums them in split order and rounds the sum as the GEMM's
-output is rounded. In a denoise step (N = 256) that replaced cuBLAS's split-K GEMM and its reduction: the step
-15.568 against 15.639 / 15.644 ms (session 22); at N = 4,096 it was slower (40.4 against 31.7 us), so
-`fused._route` takes it up to 256 rows only.
+output is rounded. It beats cuBLAS's split-K GEMM at a denoise step's 256 rows and loses at 4,096, so the fast
+kernels take it up to 256 rows only (docs/performance.md, "Routing and the FFN combine").
 """
 
 from __future__ import annotations
@@ -34,9 +33,8 @@ Sorted = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
 
 
 def block_rows(n: int) -> int:
-    """Rows a program: about one program an SM (132 on an H200), 4 to 32 rows. bench/layer_kernels.py on an H200
-    (bench/results/route_rows_sweep/), both passes: at N = 256, 4 rows 7.4 us against 12.0 for 16; at
-    N = 4,096, 32 rows 22.0 us against 25.1 for 16 and 189 for 4 (at 4 warps)."""
+    """Rows a program: about one program an SM (132 on an H200), 4 to 32 rows (docs/performance.md, "Routing and
+    the FFN combine")."""
     return min(32, max(4, triton.next_power_of_2(triton.cdiv(n, 128))))
 
 
@@ -171,7 +169,7 @@ def _slot_kernel(
 
 def route_sort(logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int) -> Sorted:
     """From router logits [N, E]: (weights [N, k] fp32, ids [N, k] int32, bounds int32 [E + 1], perm [N*k],
-    slot [N*k]), as `torch_ref.route_weights` and `fused.route` give them."""
+    slot [N*k]), as `torch_ref.route_weights` and `regions.route` give them."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"route_sort: want logits [N, E] with contiguous rows, got {tuple(logits.shape)}")
     return _sort(logits, logits.shape[1], 0, tl.float32, per_expert_scale, top_k)

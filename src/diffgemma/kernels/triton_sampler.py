@@ -12,8 +12,8 @@ entropy is log S - T / S. Pass 2 writes p = exp((z - M) - log S) in fp32 and/or 
 column within rounding of the floor can fall on the other side than in the torch ops), and the top probability
 is the largest p. The SC input may be
 stored in the model's dtype, into a denoise graph's own input: the graph reads it as a bf16 GEMM operand
-anyway, and an fp32 buffer doubled this store (268 against 134 MB a step at the real shape) and took a cast
-in the graph (268 MB read, 134 written; 15.85 against 15.93 ms a replay on an H200, bench/results/session16/).
+anyway, and an fp32 buffer doubled this store and took a cast in the graph (docs/performance.md, "Sampler row
+pass").
 Rounded to nearest here; the compiled bf16 variant's p differs from the fp32 variant's by fp32 ulps in places,
 so 7 of the 67M elements of a real-shape step came one bf16 ulp from torch's cast of the fp32 store.
 
@@ -36,11 +36,8 @@ from triton.language.extra import libdevice
 
 from diffgemma.kernels.dispatch import INTERPRET
 
-# Programs a row, columns a step, warps: on the H200 at [256, 262,144] bf16 rows with the softcap, SC into bf16
-# (bench/results/session24/): 194.6 us a call against 298.5 for one program a row of 2,048 x 8 warps (the kernel
-# before); 192.6-221.6 for 8-32 chunks of 512-1,024 columns. With the tanh, one program a row took longer on these
-# bf16 rows than on fp32 rows without it (233.3 us), twice the bytes: the instructions bound it, not the bytes.
-# An online softmax with one exp a column, not two, gained 2-6 us and was not kept.
+# Programs a row and columns a program: 32 chunks of 512 columns beat one program a row by a third on the H200's
+# [256, 262,144] bf16 rows; the tanh's instructions, not the bytes, bound it (docs/performance.md, "Sampler row pass").
 CHUNKS = 32
 BLOCK = 512
 NUM_WARPS = 4

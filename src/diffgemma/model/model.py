@@ -17,11 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffgemma.config import ModelConfig
-from diffgemma.kernels import library
 from diffgemma.kernels import torch_ref as ops
 from diffgemma.kernels.table import Kernels
 from diffgemma.model.kv_cache import KVCache
 from diffgemma.model.passes import Pass
+
+# Embedding rows widened to fp32 at a time by the exact soft embedding: 16,384 x 2,816 x 4 B = 184 MB at the real shape.
+SC_VOCAB_CHUNK = 16384
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -149,8 +151,6 @@ class DiffusionGemma(nn.Module):
                 raise ValueError(f"prompt does not fit: {kv.length} cached + {n} new > {kv.max_tokens}")
         dtype = compute_dtype or self.dtype
         p = Pass.prefill(caches, ids.shape[1], valid)
-        if self.kernels.fast and any(layer.sliding for layer in self.layers):
-            p.window_bias = self._window_bias(caches[0], ids.shape[1], dtype)
         self.layers_forward(self.embed_tokens(ids.reshape(-1)).to(dtype), p)
         for kv in caches:
             kv.length += n
@@ -164,6 +164,7 @@ class DiffusionGemma(nn.Module):
         *,
         sc_probs: torch.Tensor | None = None,
         sc_seed: bool = False,
+        sc_exact: bool = False,
         raw: bool = False,
         out: torch.Tensor | None = None,
         p: Pass | None = None,
@@ -172,7 +173,8 @@ class DiffusionGemma(nn.Module):
 
         Self-conditioning: `sc_logits` as transformers' `self_conditioning_logits` (probs = their softmax), or
         `sc_probs` [B, C, V] (or [B*C, V]) already normalised, or `sc_seed` (the first-step seed: the canvas's own
-        embedding), or none. `raw`: the LM head's output before the final softcap, in the model's dtype (the
+        embedding), or none; `sc_exact`: the soft embedding of fp32 probabilities accumulated in fp32 (seed §5's exact
+        path, `soft_embedding`). `raw`: the LM head's output before the final softcap, in the model's dtype (the
         sampler's row pass softcaps as it reads); `out` [B*C, V]: where to write it. `p`: the pass, when the
         caller holds its geometry on the device (a runner's CUDA graph)."""
         caches = [caches] if isinstance(caches, KVCache) else caches
@@ -182,12 +184,8 @@ class DiffusionGemma(nn.Module):
             sc_probs = torch.softmax(sc_logits.reshape(canvas.shape[0], -1), dim=-1, dtype=torch.float32)
         if sc_probs is not None:
             sc_probs = sc_probs.reshape(canvas.shape[0], -1)
-        if p is None and self.kernels.fast:  # one row, its geometry on the device, the keys exact
-            kv = caches[0]
-            geometry = torch.tensor(kv.denoise_geometry(c), dtype=torch.int32, device=self.device)
-            p = Pass.denoise(caches, c, geometry, kv.length + c)
         p = p or Pass.denoise(caches, c)
-        h = self.layers_forward(self.decoder_input(canvas, sc_probs, sc_seed), p)
+        h = self.layers_forward(self.decoder_input(canvas, sc_probs, sc_seed, sc_exact), p)
         return self.logits(h, out=out, raw=raw).view(len(caches), c, -1)
 
     # -- the pieces, top to bottom -------------------------------------------------------------------------
@@ -220,15 +218,15 @@ class DiffusionGemma(nn.Module):
         return F.embedding(ids, self.embed) * self.embed_scale(self.embed.dtype)
 
     def decoder_input(
-        self, canvas: torch.Tensor, sc_probs: torch.Tensor | None, sc_seed: bool
+        self, canvas: torch.Tensor, sc_probs: torch.Tensor | None, sc_seed: bool, sc_exact: bool = False
     ) -> torch.Tensor:
         """The canvas's token embeddings plus the SC MLP on the soft signal, then rms_norm_no_scale (seed §4.1):
-        the soft signal is `sc_probs` @ embed (scaled as the embeddings are), or with `sc_seed` the canvas's own
-        embedding, or zero (whose SC MLP output is exactly zero)."""
+        the soft signal is `soft_embedding(sc_probs)`, or with `sc_seed` the canvas's own embedding, or zero (whose
+        SC MLP output is exactly zero)."""
         cfg = self.cfg
         emb = self.embed_tokens(canvas)
         if sc_probs is not None:
-            soft = (sc_probs.to(self.embed.dtype) @ self.embed) * self.embed_scale(emb.dtype)
+            soft = self.soft_embedding(sc_probs, sc_exact) * self.embed_scale(emb.dtype)
         elif sc_seed:
             soft = emb
         else:
@@ -236,6 +234,20 @@ class DiffusionGemma(nn.Module):
         x = ops.rms_norm(soft, self.sc_pre_norm, cfg.rms_norm_eps)
         sc = F.linear(ops.gelu_tanh(F.linear(x, self.sc_gate)) * F.linear(x, self.sc_up), self.sc_down)
         return ops.rms_norm(emb + sc, None, cfg.rms_norm_eps)
+
+    def soft_embedding(self, probs: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        """probs [N, V] @ embed, in the embedding's dtype. By default one GEMM on the probabilities cast to that dtype
+        (as transformers computes it). `exact` (the sampler's sc_sparse=False, seed §5): fp32 probabilities times
+        the embedding widened to fp32 a vocabulary chunk at a time (`SC_VOCAB_CHUNK` rows, so no fp32 copy of the
+        whole table), accumulated in fp32 and rounded once."""
+        e = self.embed
+        if not exact or e.dtype == torch.float32:
+            return probs.to(e.dtype) @ e
+        acc = torch.zeros(probs.shape[0], e.shape[1], device=e.device, dtype=torch.float32)
+        probs = probs.float()
+        for s in range(0, e.shape[0], SC_VOCAB_CHUNK):
+            acc.addmm_(probs[:, s : s + SC_VOCAB_CHUNK], e[s : s + SC_VOCAB_CHUNK].float())
+        return acc.to(e.dtype)
 
     def layers_forward(self, h: torch.Tensor, p: Pass) -> torch.Tensor:
         """The layers over the pass's token stream h [B*T, hidden]; each layer's last step also norms the next
@@ -278,12 +290,3 @@ class DiffusionGemma(nn.Module):
         if self.inv_freq[lt].device != device:  # move once: a host copy cannot sit inside a CUDA graph
             self.inv_freq[lt] = self.inv_freq[lt].to(device)
         return self.inv_freq[lt]
-
-    def _window_bias(self, kv: KVCache, t: int, dtype: torch.dtype) -> torch.Tensor:
-        """The sliding layers' attention mask for a prefill chunk of t tokens after the cache (`library.
-        window_bias`): the same for all of them, as they all see the same key positions."""
-        w = self.cfg.sliding_window
-        layer = next(layer for layer in self.layers if layer.sliding)
-        return library.window_bias(
-            min(kv.length, w - 1), t, w, layer.n_heads // layer.n_kv, dtype, self.device
-        )

@@ -200,21 +200,25 @@ class ModelRunner:
         *,
         sc_probs: torch.Tensor | None = None,
         sc_seed: bool = False,
+        sc_exact: bool = False,
         raw: bool = False,
     ) -> torch.Tensor:
         """`DiffusionGemma.denoise` for one canvas [1, C] after `kv` (logits [1, C, V]): on the fast kernels with the
         cache geometry read on the device and, on CUDA, replayed from the graph of this cache, key bucket and SC
         mode. raw=True returns the LM head's output before the final softcap, which on a graph is the graph's own
-        buffer, overwritten by the next step (the sampler reads it before)."""
+        buffer, overwritten by the next step (the sampler reads it before). `sc_exact` (the exact soft embedding of
+        fp32 probabilities, `DiffusionGemma.soft_embedding`) runs eagerly: the graphs read a 16-bit SC input."""
         model = self.model
+        sc = {"sc_seed": sc_seed, "sc_exact": sc_exact, "raw": raw}
         if not self.fast:
-            return model.denoise(canvas, kv, sc_logits, sc_probs=sc_probs, sc_seed=sc_seed, raw=raw)
+            return model.denoise(canvas, kv, sc_logits, sc_probs=sc_probs, **sc)
         canvas = model.check_ids(canvas, 1)[0]
         c = canvas.shape[0]
         if sc_logits is not None:
             sc_probs = torch.softmax(sc_logits.reshape(c, -1), dim=-1, dtype=torch.float32)
-        if c > kv.canvas_slots or kv.dtype != model.dtype:  # no room for the canvas in the cache's own slots
-            return model.denoise(canvas[None], kv, sc_probs=sc_probs, sc_seed=sc_seed, raw=raw)
+        # no room for the canvas in the cache's own slots, or an SC input the graphs do not take
+        if c > kv.canvas_slots or kv.dtype != model.dtype or (sc_exact and sc_probs is not None):
+            return model.denoise(canvas[None], kv, sc_probs=sc_probs, **sc)
         geometry = self._load_geometry(kv, c)
 
         def forward(

@@ -6,6 +6,9 @@ and `top_p` are accepted but do not apply: the entropy-bound sampler has no samp
 set; its own settings (`SamplerFields`) may be set per request instead. The body must be plain JSON (no NaN or
 Infinity), valid Unicode (no lone surrogates) and at most MAX_DEPTH levels deep: `parse_body` checks that before
 any model sees it.
+
+Longer than 600 lines on purpose: every field the server accepts, its limit and its error live here, so that what
+the API takes is read in one file (the routes only call `parse_chat` and `parse_completion`).
 """
 
 from __future__ import annotations
@@ -485,7 +488,7 @@ class SamplerFields(_Shape):
         None, le=MAX_STEPS, description="stop once the accepted rows are unchanged this many steps (0: off)"
     )
     plateau_mean_entropy: float | None = Field(None, description="... and mean entropy is below this")
-    pad_gate: bool | None = Field(None, description="an all-pad canvas never stops early")
+    pad_gate: bool | None = Field(None, description="a canvas of only pad and filler ids never stops early")
     canvas_shrink: bool | None = Field(
         None, description="shrink the last canvas to what is left (64 at least)"
     )

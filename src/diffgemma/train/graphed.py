@@ -2,7 +2,7 @@
 
 An eager step of the small demo model is bound by kernel launches (thousands of small kernels for the
 forward, self-conditioning pass, backward, clip and AdamW), not by the GPU. With fixed-shape batches
-(`trainer.BUCKETS`) the whole step can be captured once and replayed: one graph per host-side choice
+(`batches.BUCKETS`) the whole step can be captured once and replayed: one graph per host-side choice
 (self-conditioning on or off, x the first-pass SC seed on or off), each reading static input buffers that the
 step's batch is copied into. The SC temperature and the learning rate are device tensors, so they change
 between replays without a recapture; the canvas noise comes from the graph-safe CUDA generator, fresh on
@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from diffgemma.train.trainer import Batch, TrainConfig, step_body
+from diffgemma.train.batches import Batch
+from diffgemma.train.trainer import TrainConfig, step_body
 
 
 class GraphedStep:
