@@ -1,4 +1,6 @@
-"""Each fast CUDA op pinned to its torch reference on the device (skipped without CUDA)."""
+"""Each fast CUDA op pinned to its torch reference on the device (skipped without CUDA).
+
+Longer than 600 lines on purpose: one test per fast op and per graphed route, the suite a GPU call runs at once."""
 
 from __future__ import annotations
 
