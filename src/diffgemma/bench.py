@@ -120,7 +120,6 @@ def random_model(
 
     for name, module, attr in checkpoint_names(model):
         shape = tuple(getattr(module, attr).shape)
-        leaf = name.rsplit(".", 2)
         if init == "hf":
             ones = "norm" in name or name.endswith(("router.scale", "per_expert_scale", "layer_scalar"))
             t = torch.ones(*shape, device=device, dtype=dtype) if ones else randn(*shape, std=0.02)
@@ -136,7 +135,6 @@ def random_model(
             t = torch.rand(*shape, generator=g, device=device, dtype=dtype).add_(0.5)
         else:  # linear [out, in]
             t = randn(*shape, std=shape[-1] ** -0.5 * (4.0 if "router.proj" in name else 1.0))
-        del leaf
         setattr(module, attr, torch.nn.Parameter(t, requires_grad=False))
     for layer in model.layers:
         layer.encoder_layer_scalar = torch.nn.Parameter(

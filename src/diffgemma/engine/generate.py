@@ -127,12 +127,15 @@ def denoise_block(
         else:
             logits = model.denoise(canvas[None], kv, sc_seed=cfg.first_step_sc_seed, raw=True)
         # The dense SC input is the exact path: fp32 probabilities, not the graph's 16-bit buffer (seed §5).
-        sc_out = model.sc_input_buffer(kv, canvas_len) if cfg.sc_sparse else None
-        if sc_out is None and cfg.sc_sparse:
-            # No graph yet: a buffer in the dtype a graph's would have. Written in fp32 and cast by torch, the SC
-            # input was one ulp off the sampler's own rounding in a few elements, so a first request that
-            # captured graphs got other ids than the same request later (docs/performance.md, "Sampler row pass").
-            sc_out = torch.empty(canvas_len, vocab, device=device, dtype=model.dtype)
+        sc_out = None
+        if cfg.sc_sparse:
+            sc_out = model.sc_input_buffer(kv, canvas_len)
+            if sc_out is None:
+                # No graph yet: a buffer in the dtype a graph's would have. Written in fp32 and cast by torch, the
+                # SC input was one ulp off the sampler's own rounding in a few elements, so a first request that
+                # captured graphs got other ids than the same request later (docs/performance.md, "Sampler row
+                # pass").
+                sc_out = torch.empty(canvas_len, vocab, device=device, dtype=model.dtype)
         stats = S.row_stats(
             logits[0], temp, cfg.sc_sparse, uniforms is not None, sc_out, model.cfg.final_logit_softcapping
         )

@@ -7,6 +7,8 @@ ops can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -74,22 +76,37 @@ def moe_experts(
 def moe_experts_grouped(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
-    """torch_ref.moe_experts as two grouped GEMMs: sort (row, expert) pairs by expert, gather, gate_up GEMM,
-    gelu*up, down GEMM, then a deterministic weighted sum back per row (fp32 accumulation, no atomics)."""
-    k = ids.shape[1]
+    """torch_ref.moe_experts as two grouped GEMMs: sort (row, expert) pairs by expert, `experts_grouped`, then a
+    deterministic weighted sum back per row (fp32 accumulation, no atomics). Computed in the weights' dtype."""
     n_exp = gate_up.shape[0]
-    flat = ids.reshape(-1)
-    sorted_ids, perm = torch.sort(flat, stable=True)
-    xs = x[perm // k]  # gather: [n*k, H]
+    sorted_ids, perm = torch.sort(ids.reshape(-1), stable=True)
     hist_in = sorted_ids.float() if x.device.type != "cuda" else sorted_ids.int()
     counts = torch.histc(hist_in, bins=n_exp, min=0, max=n_exp - 1)  # no host sync (bincount syncs)
     offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    dt = gate_up.dtype
-    gu = _grouped_mm(xs.to(dt), gate_up.transpose(1, 2), offs=offs)  # [n*k, 2I]
-    inter = gate_up.shape[1] // 2
-    act = gelu_tanh(gu[:, :inter]) * gu[:, inter:]
-    y = _grouped_mm(act, down.transpose(1, 2), offs=offs)  # [n*k, H]
+    y = experts_grouped(x.to(gate_up.dtype), perm, offs, ids.shape[1], gate_up, down)
     return sum_sorted_pairs(y, perm, weights).to(x.dtype)
+
+
+def _gelu_mul(gu: torch.Tensor) -> torch.Tensor:
+    inter = gu.shape[-1] // 2
+    return gelu_tanh(gu[:, :inter]) * gu[:, inter:]
+
+
+def experts_grouped(
+    x: torch.Tensor,
+    perm: torch.Tensor,
+    offs: torch.Tensor,
+    k: int,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gelu_mul: Callable[[torch.Tensor], torch.Tensor] = _gelu_mul,
+) -> torch.Tensor:
+    """Each sorted pair's expert output [N*k, H], unweighted, in x's dtype: the rows x[perm // k] gathered, then the
+    gate_up GEMM, `gelu_mul` (gelu(gate) * up; a compiled region where the caller has one) and the down GEMM, each
+    grouped by expert (`offs`: each expert's end in the sorted pairs, int32 [E])."""
+    dt = x.dtype
+    gu = _grouped_mm(x[perm // k], gate_up.to(dt).transpose(1, 2), offs=offs)  # [N*k, 2I]
+    return _grouped_mm(gelu_mul(gu), down.to(dt).transpose(1, 2), offs=offs)
 
 
 # -- attention ---------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ from diffgemma.kernels import dispatch, library, regions
 from diffgemma.kernels import torch_ref as ref
 from diffgemma.model.passes import COMMIT, DENOISE, PREFILL, TRAIN, Pass
 
-_grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 # Rows up to which the router's GEMM runs inside the Triton top-k pass (docs/performance.md, "Routing and the
 # FFN combine"): faster at a canvas's 256 rows, slower at a prefill chunk's 4,096; never for fp32 activations.
 ROUTE_FROM_MAX_ROWS = 256
@@ -33,6 +32,16 @@ class Routing(NamedTuple):
     bounds: torch.Tensor  # int32 [E + 1]: expert e owns sorted pairs bounds[e]:bounds[e + 1]
     perm: torch.Tensor  # [N * k]: each sorted pair's flat (row, j) index
     slot: torch.Tensor  # [N * k]: its inverse
+
+
+def _split_qkv(qkv: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The merged q/k/v GEMM's output [N, ...] as q [N, H, d], the raw K [N, Hkv, d] and V [N, Hkv, d] (None on a
+    full layer, whose V is the raw K)."""
+    n, hd, nq, nkv = qkv.shape[0], layer.head_dim, layer.n_heads, layer.n_kv
+    q = qkv[:, : nq * hd].view(n, nq, hd)
+    k_raw = qkv[:, nq * hd : (nq + nkv) * hd].view(n, nkv, hd)
+    v = qkv[:, (nq + nkv) * hd :].view(n, nkv, hd) if layer.sliding else None
+    return q, k_raw, v
 
 
 def _heads(z: torch.Tensor, b: int) -> torch.Tensor:
@@ -60,10 +69,8 @@ class Kernels:
     def qk_norm_rope(self, qkv: torch.Tensor, layer, inv_freq: torch.Tensor, eps: float, p: Pass):
         """The merged q/k/v GEMM's output [B*T, ...] -> q [B, H, T, d] and K/V stacked [2, B, Hkv, T, d]: the
         per-head Q/K norms, RoPE, and V's rms_norm_no_scale (V = the raw K on full layers)."""
-        n, hd, nq, nkv = qkv.shape[0], layer.head_dim, layer.n_heads, layer.n_kv
-        q = qkv[:, : nq * hd].view(n, nq, hd)
-        k_raw = qkv[:, nq * hd : (nq + nkv) * hd].view(n, nkv, hd)
-        v = qkv[:, (nq + nkv) * hd :].view(n, nkv, hd) if layer.sliding else k_raw
+        q, k_raw, v = _split_qkv(qkv, layer)
+        v = k_raw if v is None else v
         cos, sin = p.cos_sin("sliding" if layer.sliding else "full", inv_freq, qkv.dtype)
         q = ref.apply_rope(ref.rms_norm(q, layer.q_norm, eps), cos, sin)
         k = ref.apply_rope(ref.rms_norm(k_raw, layer.k_norm, eps), cos, sin)
@@ -230,9 +237,7 @@ class FastKernels(Kernels):
             )
             if out is not None:
                 return out
-        q = qkv[:, : nq * hd].view(t, nq, hd)
-        k_raw = qkv[:, nq * hd : (nq + nkv) * hd].view(t, nkv, hd)
-        v = qkv[:, (nq + nkv) * hd :].view(t, nkv, hd) if layer.sliding else None
+        q, k_raw, v = _split_qkv(qkv, layer)
         q, kv_new = self._r(p)["qkv_post"](
             q, k_raw, v, layer.q_norm, layer.k_norm, inv_freq, p.positions, eps, True
         )
@@ -342,11 +347,8 @@ class FastKernels(Kernels):
             y = dispatch.attempt("triton_moe", kernels, x)
             if y is not None:
                 return y
-        offs = bounds[1:]
-        dt = x.dtype
-        gu = _grouped_mm(x[perm // top_k], gate_up.to(dt).transpose(1, 2), offs=offs)
         gelu_mul = regions.gelu_mul if self._wide(x, gate_up) else self._r(p)["gelu_mul"]
-        return _grouped_mm(gelu_mul(gu), down.to(dt).transpose(1, 2), offs=offs)
+        return library.experts_grouped(x, perm, bounds[1:], top_k, gate_up, down, gelu_mul)
 
     def post_ffn(self, h, dense, y, routing: Routing, layer, scalar, next_norm, eps, p: Pass):
         """Joins the dense MLP's stream, then one Triton kernel where it serves, else the compiled region."""
