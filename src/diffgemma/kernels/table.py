@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from diffgemma.kernels import dispatch, library, regions
 from diffgemma.kernels import torch_ref as ref
 from diffgemma.model.passes import COMMIT, DENOISE, PREFILL, TRAIN, Pass
+from diffgemma.quant.weight import QuantWeight, dense
 
 # Rows up to which the router's GEMM runs inside the Triton top-k pass (docs/performance.md, "Routing and the
 # FFN combine"): faster at a canvas's 256 rows, slower at a prefill chunk's 4,096; never for fp32 activations.
@@ -60,6 +61,10 @@ class Kernels:
         if experts not in ("sorted", "dense"):
             raise ValueError(f"experts must be 'sorted' or 'dense', not {experts!r}")
         self.experts_mode = experts
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor | QuantWeight) -> torch.Tensor:
+        """x @ w.T in x's dtype; a quantized w dequantized first (the reference for every format)."""
+        return F.linear(x, dense(w, x.dtype))
 
     # -- attention half -----------------------------------------------------------------------------------
 
@@ -130,9 +135,15 @@ class Kernels:
 
     def dense_mlp(self, x: torch.Tensor, layer, eps: float, p: Pass) -> torch.Tensor:
         dt = x.dtype
-        return regions.dense_mlp(
-            x, layer.gate_up_weight(dt), layer.mlp_down.to(dt), layer.post_feedforward_layernorm_1, eps
-        )
+        gate_up = layer.gate_up_weight(dt)
+        if isinstance(gate_up, QuantWeight) or isinstance(layer.mlp_down, QuantWeight):
+            return self._dense_mlp_linear(x, gate_up, layer, eps)
+        return regions.dense_mlp(x, gate_up, layer.mlp_down.to(dt), layer.post_feedforward_layernorm_1, eps)
+
+    def _dense_mlp_linear(self, x, gate_up, layer, eps: float) -> torch.Tensor:
+        """`regions.dense_mlp` through `linear`: quantized weights."""
+        act = regions.gelu_mul(self.linear(x, gate_up))
+        return ref.rms_norm(self.linear(act, layer.mlp_down), layer.post_feedforward_layernorm_1, eps)
 
     def experts(self, x: torch.Tensor, routing: Routing, layer, p: Pass) -> torch.Tensor:
         """Each (row, expert) pair's expert output [N*k, H], in sorted pair order, unweighted."""
@@ -166,8 +177,8 @@ class Kernels:
 def _experts_dense(x, routing: Routing, k: int, gate_up, down) -> torch.Tensor:
     """`torch_ref.experts_sorted` as every expert on every row, each pair's output picked from them: the same
     values without a host read (autograd and CUDA graphs)."""
-    gate, up = torch.einsum("nh,efh->nef", x, gate_up.to(x.dtype)).chunk(2, dim=-1)
-    out = torch.einsum("nei,ehi->neh", ref.gelu_tanh(gate) * up, down.to(x.dtype))  # [N, E, H]
+    gate, up = torch.einsum("nh,efh->nef", x, dense(gate_up, x.dtype)).chunk(2, dim=-1)
+    out = torch.einsum("nei,ehi->neh", ref.gelu_tanh(gate) * up, dense(down, x.dtype))  # [N, E, H]
     return out[routing.perm // k, routing.ids.reshape(-1)[routing.perm]]
 
 
@@ -199,9 +210,15 @@ class FastKernels(Kernels):
         return p.geometry
 
     @staticmethod
-    def _wide(x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """fp32 activations on 16-bit weights: the reference steps serve."""
-        return x.dtype == torch.float32 and weight.dtype != torch.float32
+    def _wide(x: torch.Tensor, weight: torch.Tensor | QuantWeight) -> bool:
+        """fp32 activations on 16-bit (or quantized) weights: the reference steps serve."""
+        return x.dtype == torch.float32 and (isinstance(weight, QuantWeight) or weight.dtype != torch.float32)
+
+    def linear(self, x, w):
+        """fp8 weights on CUDA through `library.linear_fp8` (fp8 activations, per row); the reference else."""
+        if isinstance(w, QuantWeight) and w.fmt == "fp8" and x.is_cuda and x.dtype == torch.bfloat16:
+            return library.linear_fp8(x, w)
+        return super().linear(x, w)
 
     # -- attention half -----------------------------------------------------------------------------------
 
@@ -326,9 +343,12 @@ class FastKernels(Kernels):
         side = self._side_stream(x)
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())
+        gate_up = layer.gate_up_weight(x.dtype)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            if isinstance(gate_up, QuantWeight) or isinstance(layer.mlp_down, QuantWeight):
+                return self._dense_mlp_linear(x, gate_up, layer, eps)
             return self._r(p)["dense_mlp"](
-                x, layer.gate_up_weight(x.dtype), layer.mlp_down, layer.post_feedforward_layernorm_1, eps
+                x, gate_up, layer.mlp_down, layer.post_feedforward_layernorm_1, eps
             )
 
     def experts(self, x, routing: Routing, layer, p: Pass) -> torch.Tensor:

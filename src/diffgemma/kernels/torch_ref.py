@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from diffgemma.quant.weight import dense
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """Gemma RMSNorm in fp32: x / sqrt(mean(x^2) + eps) * w (not 1 + w); no weight = rms_norm_no_scale."""
@@ -141,8 +143,8 @@ def experts_sorted(
         if a == b:
             continue
         rows = F.pad(x[perm[a:b] // k], (0, 0, 0, max(0, EXPERT_MIN_ROWS - (b - a))))
-        gate, up = F.linear(rows, gate_up[e].to(x.dtype)).chunk(2, dim=-1)
-        y[a:b] = F.linear(gelu_tanh(gate) * up, down[e].to(x.dtype))[: b - a]
+        gate, up = F.linear(rows, dense(gate_up[e], x.dtype)).chunk(2, dim=-1)
+        y[a:b] = F.linear(gelu_tanh(gate) * up, dense(down[e], x.dtype))[: b - a]
     return y
 
 

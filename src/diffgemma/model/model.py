@@ -21,6 +21,7 @@ from diffgemma.kernels import torch_ref as ops
 from diffgemma.kernels.table import Kernels
 from diffgemma.model.kv_cache import KVCache
 from diffgemma.model.passes import Pass
+from diffgemma.quant.weight import QuantWeight, dense
 
 # Embedding rows widened to fp32 at a time by the exact soft embedding: 16,384 x 2,816 x 4 B = 184 MB at the real shape.
 SC_VOCAB_CHUNK = 16384
@@ -76,6 +77,8 @@ class Layer(nn.Module):
         from the current parameters. Call it outside CUDA-graph capture first (the graph's warm-up does). While
         the parameters take gradients it is a plain (differentiable) concatenation instead."""
         parts = [getattr(self, n) for n in names]
+        if any(isinstance(p, QuantWeight) for p in parts):
+            return self._merged_quant(names, parts)
         if torch.is_grad_enabled() and any(p.requires_grad for p in parts):
             return torch.cat(parts)
         hit = self._merged.get(names)
@@ -89,11 +92,30 @@ class Layer(nn.Module):
         self._merged[names] = (w, [p.data_ptr() for p in parts])
         return w
 
-    def qkv_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.merged(*self.qkv_names).to(dtype)
+    def _merged_quant(self, names: tuple[str, ...], parts: list) -> QuantWeight | torch.Tensor:
+        """`merged` for quantized weights: one QuantWeight of their concatenated tensors, the parts' tensors
+        re-pointed into it; weights of different formats are dequantized and concatenated instead."""
+        hit = self._merged.get(names)
+        if hit is not None and hit[1] == [id(p) for p in parts]:
+            return hit[0]
+        if not all(isinstance(p, QuantWeight) for p in parts) or len({p.fmt for p in parts}) > 1:
+            return torch.cat([dense(p, torch.float32) for p in parts]).to(self.q_norm.dtype)
+        w = QuantWeight.cat(parts)
+        row = 0
+        for p in parts:
+            for s in p.parts:
+                p.parts[s] = w.parts[s][..., row : row + p.shape[-2], :]
+            row += p.shape[-2]
+        self._merged[names] = (w, [id(p) for p in parts])
+        return w
 
-    def gate_up_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.merged("mlp_gate", "mlp_up").to(dtype)
+    def qkv_weight(self, dtype: torch.dtype) -> torch.Tensor | QuantWeight:
+        w = self.merged(*self.qkv_names)
+        return w if isinstance(w, QuantWeight) else w.to(dtype)
+
+    def gate_up_weight(self, dtype: torch.dtype) -> torch.Tensor | QuantWeight:
+        w = self.merged("mlp_gate", "mlp_up")
+        return w if isinstance(w, QuantWeight) else w.to(dtype)
 
 
 class DiffusionGemma(nn.Module):
@@ -232,7 +254,8 @@ class DiffusionGemma(nn.Module):
         else:
             return ops.rms_norm(emb, None, cfg.rms_norm_eps)
         x = ops.rms_norm(soft, self.sc_pre_norm, cfg.rms_norm_eps)
-        sc = F.linear(ops.gelu_tanh(F.linear(x, self.sc_gate)) * F.linear(x, self.sc_up), self.sc_down)
+        lin = self.kernels.linear
+        sc = lin(ops.gelu_tanh(lin(x, self.sc_gate)) * lin(x, self.sc_up), self.sc_down)
         return ops.rms_norm(emb + sc, None, cfg.rms_norm_eps)
 
     def soft_embedding(self, probs: torch.Tensor, exact: bool = False) -> torch.Tensor:
@@ -267,9 +290,9 @@ class DiffusionGemma(nn.Module):
         if x is None:
             x = k.norm(h, layer.input_layernorm, eps, p)
         # attention: q/k/v in one GEMM, the per-head norms and RoPE, the phase's attention, o_proj
-        qkv = F.linear(x, layer.qkv_weight(dt))
+        qkv = k.linear(x, layer.qkv_weight(dt))
         q, kv = k.qk_norm_rope(qkv, layer, self.inv_freq_for(layer, qkv.device), eps, p)
-        attn = F.linear(k.attention(q, kv, layer, p, self.cfg.sliding_window), layer.o_proj.to(dt))
+        attn = k.linear(k.attention(q, kv, layer, p, self.cfg.sliding_window), layer.o_proj)
         # the FFN half: residual, the three normed inputs, routing, the dense MLP beside the experts, the combine
         h, x_dense, x_moe, r = k.pre_ffn(h, attn, layer, eps, p)
         routing = k.route(r, layer, self.cfg.top_k_experts, p)

@@ -1,7 +1,9 @@
-"""Load a DiffusionGemma checkpoint (single or sharded safetensors, memory-mapped) into our model.
+"""Load a DiffusionGemma checkpoint or pack (single or sharded safetensors, memory-mapped) into our model.
 
-Safetensors only: nothing from a checkpoint is ever unpickled. Every weight must be floating-point and finite
-(checked on the device as it lands); float16 weights are converted to the model's dtype, with a line saying so.
+Safetensors only: nothing from a checkpoint is ever unpickled. Every float weight must be finite (checked on the
+device as it lands); float16 weights are converted to the model's dtype, with a line saying so. A pack's quantized
+weights (`diffgemma quantize`) are recognised by their stored tensors (`quant.formats.detect`), checked before any
+weight is read, and kept quantized (`QuantWeight`) where the device has a kernel for their format.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from safetensors import SafetensorError, safe_open
 
 from diffgemma.config import ModelConfig
 from diffgemma.model.model import DiffusionGemma
+from diffgemma.quant import formats
+from diffgemma.quant.pack import PAD_PREFIX, TORCH_DTYPES, misaligned
+from diffgemma.quant.weight import QuantWeight
 
 DECODER = "model.decoder."
 ENCODER = "model.encoder.language_model."
@@ -103,20 +108,117 @@ def _open(f: Path):
         raise CheckpointError(f"{f}: corrupt safetensors file ({e})") from None
 
 
+# Weights a pack may hold quantized (the classes experts, attn, dense, sc); every other one must be a float type.
+QUANTIZABLE = {
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "mlp_gate",
+    "mlp_up",
+    "mlp_down",
+    "experts_gate_up",
+    "experts_down",
+    "sc_gate",
+    "sc_up",
+    "sc_down",
+}
+# Formats with a CUDA kernel, by weight: the others are dequantized to the model's dtype at load on CUDA.
+CUDA_FORMATS = {"experts": ("int4", "fp8"), "dense": ("fp8",)}
+
+
+def _class_of(attr: str) -> str:
+    return "experts" if attr.startswith("experts") else "dense"
+
+
+def _infos(handles, files: dict[str, Path]) -> dict[str, formats.TensorInfo]:
+    """Every stored tensor's dtype and shape, from the headers (no data read)."""
+    out = {}
+    for name, f in files.items():
+        try:
+            sl = handles[f].get_slice(name)
+            dtype = TORCH_DTYPES.get(sl.get_dtype())
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"tensor {name}: corrupt header in {f.name} ({e})") from None
+        if dtype is None:
+            raise CheckpointError(f"tensor {name} has dtype {sl.get_dtype()}, which no weight takes")
+        out[name] = formats.TensorInfo(dtype, tuple(sl.get_shape()))
+    return out
+
+
+def _check_pack(path: Path, files: dict[str, Path]) -> None:
+    """A pack's tensors all start at 64-byte-aligned file offsets (pack.ALIGN: the seed's GPU rule)."""
+    for f in sorted(set(files.values())):
+        try:
+            bad = misaligned(f)
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{f}: corrupt safetensors file ({e})") from None
+        if bad is not None:
+            raise CheckpointError(
+                f"tensor {bad} in {f.name} does not start at a 64-byte-aligned file offset: {path} is not a "
+                "valid pack (re-run diffgemma quantize)"
+            )
+
+
+def plan_weights(model: DiffusionGemma, infos: dict[str, formats.TensorInfo], path: Path) -> dict[str, str]:
+    """Each model weight's format, derived from the stored tensors alone, with every shape, companion and dtype
+    checked: raises CheckpointError naming the tensor before anything is read or allocated."""
+    fmts = {}
+    for name, owner, attr in checkpoint_names(model):
+        param = getattr(owner, attr)
+        data = infos.get(name)
+        if data is None:
+            raise CheckpointError(f"tensor {name} is missing from the checkpoint at {path}")
+        shape = tuple(param.shape)
+        if not data.dtype.is_floating_point or data.dtype == torch.float8_e4m3fn:
+            if attr not in QUANTIZABLE:
+                raise CheckpointError(f"tensor {name} is {data.dtype}, not a floating-point type")
+        elif data.shape != shape:
+            raise CheckpointError(f"tensor {name} has shape {data.shape}, the config expects {shape}")
+        found = {s: infos[name + s] for s in ("", *formats.COMPANIONS) if name + s in infos}
+        try:
+            fmts[name] = formats.detect(name, found, shape)
+        except formats.FormatError as e:
+            raise CheckpointError(str(e)) from None
+    return fmts
+
+
 def load_weights(
     model: DiffusionGemma, path: str | Path, device: torch.device | str, dtype: torch.dtype
 ) -> None:
-    """Fill every parameter of `model` from the checkpoint at `path`, cast to dtype on device."""
+    """Fill every weight of `model` from the checkpoint or pack at `path`, on device: float weights cast to dtype,
+    quantized ones kept in their format (`QuantWeight`) where the device runs it, else dequantized to dtype."""
     path = Path(path)
-    files = shard_files(path)
+    files = {n: f for n, f in shard_files(path).items() if not n.startswith(PAD_PREFIX)}
+    qc = json.loads((path / "config.json").read_text()).get("quantization_config")
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if qc is not None and method not in ("diffgemma", "compressed-tensors"):
+        raise CheckpointError(
+            f"{path}: quantization method {method!r} is not supported (diffgemma packs and compressed-tensors "
+            "FP8 checkpoints are)"
+        )
+    if method == "diffgemma":
+        _check_pack(path, files)
+    device = torch.device(device)
     with ExitStack() as stack:
         handles = {f: stack.enter_context(_open(f)) for f in set(files.values())}
 
-        def read(name: str) -> torch.Tensor:
+        def read_stored(name: str) -> torch.Tensor:
             try:
                 return handles[files[name]].get_tensor(name)
             except (SafetensorError, OSError, ValueError, RuntimeError) as e:
                 raise CheckpointError(f"tensor {name}: corrupt data in {files[name].name} ({e})") from None
+
+        infos, read = _infos(handles, files), read_stored
+        if method == "compressed-tensors":  # seen through our pack's names and layout
+            from diffgemma.quant.community import CompressedTensors
+
+            try:
+                community = CompressedTensors(qc, infos, read_stored)
+            except ValueError as e:
+                raise CheckpointError(f"{path}: {e}") from None
+            infos, read = community.infos, community.read
+        fmts = plan_weights(model, infos, path)
 
         target = str(dtype).removeprefix("torch.")
         said: set[torch.dtype] = set()
@@ -137,21 +239,40 @@ def load_weights(
                 raise CheckpointError(f"tensor {name} holds NaN or infinite values{cast}")
             return out
 
+        dequantized: set[str] = set()
+
+        def land_quant(name: str, fmt: str, attr: str, shape: tuple[int, ...]):
+            parts = {s: read(name + s) for s in formats.layout(fmt, shape)}
+            for s, t in parts.items():
+                if t.dtype.is_floating_point and not bool(torch.isfinite(t.float()).all()):
+                    raise CheckpointError(f"tensor {name}{s} holds NaN or infinite values")
+            w = QuantWeight.from_pack(fmt, shape, parts).to_device(device)
+            if device.type == "cuda" and fmt not in CUDA_FORMATS.get(_class_of(attr), ()):
+                dequantized.add(f"{fmt} ({_class_of(attr)})")
+                return land(name, w.dequantize(dtype))
+            return w
+
         used = set()
         for name, owner, attr in checkpoint_names(model):
-            param = getattr(owner, attr)
-            if name not in files:
-                raise CheckpointError(f"tensor {name} is missing from the checkpoint at {path}")
-            t = read(name)
-            if tuple(t.shape) != tuple(param.shape):
-                raise CheckpointError(
-                    f"tensor {name} has shape {tuple(t.shape)}, the config expects {tuple(param.shape)}"
-                )
-            _set(owner, attr, land(name, t))
-            used.add(name)
+            fmt = fmts[name]
+            if fmt == "bf16":
+                _set(owner, attr, land(name, read(name)))
+            else:
+                w = land_quant(name, fmt, attr, tuple(getattr(owner, attr).shape))
+                if isinstance(w, QuantWeight):
+                    owner._parameters.pop(attr, None)  # not a Parameter: a plain attribute
+                    setattr(owner, attr, w)
+                else:
+                    _set(owner, attr, w)
+            used.update(name + s for s in ("", *formats.COMPANIONS))
+        if dequantized:
+            print(
+                f"diffgemma: no CUDA kernel for {', '.join(sorted(dequantized))}; dequantized to {target} at load",
+                file=sys.stderr,
+            )
         for i, layer in enumerate(model.layers):
             name = f"{ENCODER}layers.{i}.layer_scalar"
-            if name in files:
+            if name in infos:
                 t = read(name)
                 if t.numel() != 1:
                     raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)}, expected (1,)")
@@ -161,7 +282,7 @@ def load_weights(
                 _set(layer, "encoder_layer_scalar", layer.layer_scalar.detach().clone())
         unknown = [
             n
-            for n in files
+            for n in infos
             if n not in used
             and not n.startswith(IGNORED_PREFIXES)
             and not n.startswith(ENCODER)
