@@ -40,14 +40,17 @@ from functools import partial
 import torch
 
 from diffgemma.quant.formats import TensorInfo
-from diffgemma.weights.loader import DECODER, IGNORED_PREFIXES, LAYER_NAMES, QUANTIZABLE, TOP_NAMES
+from diffgemma.weights.loader import DECODER, IGNORED_PREFIXES, LAYER_NAMES, TOP_NAMES
 
 FP8 = torch.float8_e4m3fn
 SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STRATEGIES = ("channel", "tensor")
-# Our names a checkpoint may hold quantized (2-D Linears; the experts are handled on their own).
-QUANT_LAYER = {s for s, a in LAYER_NAMES.items() if a in QUANTIZABLE and not a.startswith("experts")}
-QUANT_TOP = {s for s, a in TOP_NAMES.items() if a in QUANTIZABLE}
+# The 2-D Linears of ours that may be quantized, as the loader takes them (the experts are handled on their own);
+# every other weight our model reads (embeddings, norms, router, lm_head) must stay a float type.
+QUANT_LAYER = {f"self_attn.{p}_proj.weight" for p in "qkvo"} | {
+    f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")
+}
+QUANT_TOP = {f"self_conditioning.{p}_proj.weight" for p in ("gate", "up", "down")}
 FUSED = ("experts.gate_up_proj", "experts.down_proj")
 PER_EXPERT = re.compile(
     r"^(?P<layer>.*\.layers\.\d+)\.experts\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$"
@@ -62,23 +65,32 @@ OTHER = {
     ".weight_shape": "packed weights",
     ".weight_global_scale": "an fp4 global scale",
 }
+# fp8 KV-cache scales (kv_cache_scheme; older writers used the k/v projections' output_scale): not needed, our KV
+# cache stays in the model's dtype
 KV_SCALES = (
     ".k_scale",
     ".v_scale",
     ".q_scale",
     ".prob_scale",
-)  # fp8 KV-cache scales: unused, our cache is not fp8
+    ".k_proj.output_scale",
+    ".v_proj.output_scale",
+)
 
 
 def _args_problem(args: object, what: str) -> str | None:
     return None if isinstance(args, dict) else f"{what} are {args!r}, not a quantization-args mapping"
 
 
+def _flat(qc: dict) -> dict:
+    if "config_groups" not in qc and isinstance(qc.get("quantization_config"), dict):
+        return {**qc, **qc["quantization_config"]}  # transformers' nesting of the compressed-tensors config
+    return qc
+
+
 def check_config(qc: dict) -> set[str]:
     """The weight strategies a compressed-tensors `quantization_config` uses; ValueError naming what is not
     supported (not float-quantized FP8 weights with channel or tensor scales and dynamic or no activations)."""
-    if "config_groups" not in qc and isinstance(qc.get("quantization_config"), dict):
-        qc = {**qc, **qc["quantization_config"]}  # transformers' nesting of the compressed-tensors config
+    qc = _flat(qc)
     status = qc.get("quantization_status")
     if status not in (None, "compressed"):
         raise ValueError(
@@ -198,7 +210,7 @@ class CompressedTensors:
     ) -> None:
         self._read_stored = read_stored
         self._strategies = check_config(qc)
-        self._kv_cache = qc.get("kv_cache_scheme") is not None
+        self._kv_cache = _flat(qc).get("kv_cache_scheme") is not None
         self.infos: dict[str, TensorInfo] = {}
         self._sources: dict[str, Callable[[], torch.Tensor]] = {}
         self._build(infos)
@@ -266,10 +278,11 @@ class CompressedTensors:
         experts: dict[str, dict[tuple[str, int], str]] = {}  # layer prefix -> (proj, e) -> stored weight name
         consumed: set[str] = set()
         for name, info in stored.items():
-            if name.startswith(
-                IGNORED_PREFIXES
-            ):  # the vision tower: the loader skips it, whatever its format
+            if name.startswith(IGNORED_PREFIXES):  # the vision tower: skipped by the loader, in any format
                 self._pass(name, info)
+                continue
+            if name.endswith(KV_SCALES) and self._kv_cache:
+                consumed.add(name)  # fp8 KV-cache scales: our KV cache stays in the model's dtype
                 continue
             for end in STATIC:
                 if name.endswith(end):
@@ -282,9 +295,6 @@ class CompressedTensors:
                     raise ValueError(
                         f"tensor {name} is {what}: only FP8 weights with a weight_scale are supported"
                     )
-            if name.endswith(KV_SCALES) and self._kv_cache:
-                consumed.add(name)  # fp8 KV-cache scales: our KV cache stays in the model's dtype
-                continue
             if info.dtype == torch.float8_e5m2:
                 raise ValueError(f"tensor {name} is float8_e5m2: only float8_e4m3fn weights are supported")
             m = PER_EXPERT.match(name)

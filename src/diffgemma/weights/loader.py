@@ -108,27 +108,36 @@ def _open(f: Path):
         raise CheckpointError(f"{f}: corrupt safetensors file ({e})") from None
 
 
-# Weights a pack may hold quantized (the classes experts, attn, dense, sc); every other one must be a float type.
-QUANTIZABLE = {
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "mlp_gate",
-    "mlp_up",
-    "mlp_down",
-    "experts_gate_up",
-    "experts_down",
-    "sc_gate",
-    "sc_up",
-    "sc_down",
+# Weights a pack may hold quantized, by attribute, and their class (quant.profiles.CLASSES); every other weight
+# must be a float type.
+ATTR_CLASSES = {
+    "q_proj": "attn",
+    "k_proj": "attn",
+    "v_proj": "attn",
+    "o_proj": "attn",
+    "mlp_gate": "dense",
+    "mlp_up": "dense",
+    "mlp_down": "dense",
+    "experts_gate_up": "experts.gate_up",
+    "experts_down": "experts.down",
+    "sc_gate": "sc",
+    "sc_up": "sc",
+    "sc_down": "sc",
 }
-# Formats with a CUDA kernel, by weight: the others are dequantized to the model's dtype at load on CUDA.
-CUDA_FORMATS = {"experts": ("int4", "fp8"), "dense": ("fp8",)}
+# Formats with a CUDA kernel, by class: the Triton expert kernels (int4, fp8) and fp8 GEMMs
+# (`kernels.library.linear_fp8`). The others are dequantized to the model's dtype at load on CUDA.
+CUDA_FORMATS = {
+    "experts.gate_up": ("int4", "fp8"),
+    "experts.down": ("int4", "fp8"),
+    "attn": ("fp8",),
+    "dense": ("fp8",),
+    "sc": ("fp8",),
+}
 
 
-def _class_of(attr: str) -> str:
-    return "experts" if attr.startswith("experts") else "dense"
+def runs_quantized(device: torch.device, attr: str, fmt: str) -> bool:
+    """Whether a weight stays quantized on this device (CPU: always, through the reference's dequantize)."""
+    return device.type != "cuda" or fmt in CUDA_FORMATS[ATTR_CLASSES[attr]]
 
 
 def _infos(handles, files: dict[str, Path]) -> dict[str, formats.TensorInfo]:
@@ -171,7 +180,7 @@ def plan_weights(model: DiffusionGemma, infos: dict[str, formats.TensorInfo], pa
             raise CheckpointError(f"tensor {name} is missing from the checkpoint at {path}")
         shape = tuple(param.shape)
         if not data.dtype.is_floating_point or data.dtype == torch.float8_e4m3fn:
-            if attr not in QUANTIZABLE:
+            if attr not in ATTR_CLASSES:
                 raise CheckpointError(f"tensor {name} is {data.dtype}, not a floating-point type")
         elif data.shape != shape:
             raise CheckpointError(f"tensor {name} has shape {data.shape}, the config expects {shape}")
@@ -247,8 +256,8 @@ def load_weights(
                 if t.dtype.is_floating_point and not bool(torch.isfinite(t.float()).all()):
                     raise CheckpointError(f"tensor {name}{s} holds NaN or infinite values")
             w = QuantWeight.from_pack(fmt, shape, parts).to_device(device)
-            if device.type == "cuda" and fmt not in CUDA_FORMATS.get(_class_of(attr), ()):
-                dequantized.add(f"{fmt} ({_class_of(attr)})")
+            if not runs_quantized(device, attr, fmt):
+                dequantized.add(f"{fmt} ({ATTR_CLASSES[attr]})")
                 return land(name, w.dequantize(dtype))
             return w
 
