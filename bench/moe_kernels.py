@@ -3,9 +3,11 @@
 bf16). Each timing is a CUDA graph of 10 calls, the median of 20 replays (CUDA events), per call; TB/s counts
 the expert weights once (gate_up + down, 1.52 GB). Also reports each config's max abs difference from the
 grouped path, a read-only bandwidth floor (an amax over the same weights), grouped vs Triton as N grows
-(the dispatch crossover), and with --sweep each kernel alone over a grid of tile shapes. Results go to $OUT/moe_kernels.json when OUT is set.
+(the dispatch crossover), and with --sweep each kernel alone over a grid of tile shapes. With --quant, the
+quantized experts (int4, fp8: every candidate config) against the bf16 default (`bench_quant`). Results go to
+$OUT/moe_kernels.json when OUT is set.
 
-    python bench/moe_kernels.py [--sweep] [--ids routing.pt] [--configs base,m32]
+    python bench/moe_kernels.py [--sweep] [--ids routing.pt] [--configs base,m32] [--quant int4,fp8 [--quant-only]]
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from diffgemma.kernels import library  # noqa: E402
+from diffgemma.kernels import torch_ref as ref  # noqa: E402
 from diffgemma.kernels import triton_moe as tm  # noqa: E402
+from diffgemma.quant.weight import QuantWeight  # noqa: E402
 
 N, K, E, H, INTER = 256, 8, 128, 2816, 704
 DEV = "cuda"
@@ -140,6 +144,74 @@ def bench_crossover(gate_up, down, g) -> list[dict]:
     return rows
 
 
+def _config_name(cfg: tm.MoeConfig) -> str:
+    return next(name for name, c in tm.CONFIGS.items() if c is cfg)
+
+
+def bench_quant(fmts: list[str], gate_up, down, g) -> list[dict]:
+    """Each quantized candidate (`triton_moe.QUANT_CANDIDATES`) on gate_up / down quantized on the GPU, against the
+    bf16 tiles `config_for` picks on the bf16 weights, at a denoise step (N=256) and a prefill chunk (N=4096),
+    uniform routing, bf16 activations (fp32 ones on the fp32 candidates). TB/s counts the packed bytes read once
+    (the parts' nbytes); max|diff| and rel are against dequantize-then-matmul (the grouped path on the weights
+    dequantized to bf16; for fp32 activations torch_ref on them in fp32)."""
+    rows = []
+    inputs = {}
+    print("\n[quant] uniform routing")
+    for n in (N, 4096):
+        x = torch.randn(n, H, generator=g, device=DEV, dtype=torch.bfloat16)
+        w, ids = routing("uniform", None, g, n)
+        inputs[n] = x, w, ids
+        cfg = tm.config_for(ids.numel(), E)
+        nbytes = (gate_up.numel() + down.numel()) * 2
+        ms = time_graph(
+            lambda x=x, w=w, ids=ids, cfg=cfg: tm.moe_experts_triton(x, w, ids, gate_up, down, cfg)
+        )
+        row = dict(
+            n=n, fmt="bf16", act="bf16", config=_config_name(cfg), bytes=nbytes, ms=ms, tbps=tbps(nbytes, ms)
+        )
+        rows.append(row)
+        print(f"  N={n:5d} bf16 {row['config']:18s} {ms:7.3f} ms  {tbps(nbytes, ms):5.2f} TB/s")
+    for fmt in fmts:
+        qg, qd = QuantWeight.quantize(gate_up, fmt), QuantWeight.quantize(down, fmt)
+        nbytes = qg.nbytes + qd.nbytes
+        print(f"  {fmt}: {nbytes / 1e9:.3f} GB of packed experts a layer")
+        for n, (x, w, ids) in inputs.items():
+            for act in ("bf16", "fp32"):
+                xa = x if act == "bf16" else x.float() + 1e-3 * torch.randn(x.shape, generator=g, device=DEV)
+                if act == "bf16":
+                    want = library.moe_experts_grouped(
+                        xa, w, ids, qg.dequantize(xa.dtype), qd.dequantize(xa.dtype)
+                    )
+                else:
+                    want = ref.moe_experts(xa, w, ids, qg.dequantize(xa.dtype), qd.dequantize(xa.dtype))
+                picked = _config_name(tm.config_for_weights(ids.numel(), xa, qg))
+                names = [c for c in tm.QUANT_CANDIDATES if ("fp32" in c) == (act == "fp32")]
+                for name in names:
+                    cfg = tm.CONFIGS[name]
+                    row = dict(n=n, fmt=fmt, act=act, config=name, picked=name == picked, bytes=nbytes)
+                    row["tiles"] = dataclasses.asdict(cfg)
+                    try:
+                        got = tm.moe_experts_triton(xa, w, ids, qg, qd, cfg)
+                        diff = (got.float() - want.float()).abs().max().item()
+                        rel = ((got.double() - want.double()).norm() / want.double().norm()).item()
+                        ms = time_graph(
+                            lambda xa=xa, w=w, ids=ids, cfg=cfg, qg=qg, qd=qd: tm.moe_experts_triton(
+                                xa, w, ids, qg, qd, cfg
+                            )
+                        )
+                        row.update(ms=ms, tbps=tbps(nbytes, ms), max_abs_diff=diff, rel_diff=rel)
+                        print(
+                            f"  N={n:5d} {fmt} {act} {name:18s}{'*' if row['picked'] else ' '} {ms:7.3f} ms"
+                            f"  {tbps(nbytes, ms):5.2f} TB/s  max|diff| {diff:.3g}  rel {rel:.2g}"
+                        )
+                    except Exception as e:  # noqa: BLE001 - a config that fails to compile or run: report, go on
+                        row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                        print(f"  N={n:5d} {fmt} {act} {name:18s} FAILED {row['error']}")
+                        traceback.print_exc(limit=2)
+                    rows.append(row)
+    return rows
+
+
 def sweep_tma_tiles() -> list[tm.Tiles]:
     """The weights through TMA descriptors, 32 x 2 pairs (the best pointer-load shape): N and K blocks,
     stages (within ~200 KB of shared memory for gate_up's two weight tiles and x's), plain or swapped MMA."""
@@ -207,6 +279,12 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also time each kernel over a grid of tiles")
     p.add_argument("--sweep-only", choices=("gate_up", "down"), help="sweep this kernel alone, m_slots 2")
     p.add_argument("--tma", action="store_true", help="sweep the weights-through-TMA tile grid instead")
+    p.add_argument(
+        "--quant", default=None, help="comma-separated formats (int4, fp8): time the quantized experts"
+    )
+    p.add_argument(
+        "--quant-only", action="store_true", help="with --quant: skip the bf16 configs and crossover"
+    )
     args = p.parse_args()
 
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -226,11 +304,14 @@ def main() -> None:
         weight_bytes=nbytes,
         default_config=tm.DEFAULT_CONFIG,
         floor=dict(ms=floor_ms, tbps=tbps(nbytes, floor_ms)),
-        results=bench_configs(args.configs.split(","), scenarios, args, gate_up, down, x, g),
     )
-    result["crossover"] = bench_crossover(gate_up, down, g)
+    if not (args.quant and args.quant_only):
+        result["results"] = bench_configs(args.configs.split(","), scenarios, args, gate_up, down, x, g)
+        result["crossover"] = bench_crossover(gate_up, down, g)
     if args.sweep:
         result["sweep"] = bench_sweep(gate_up, down, x, g, args.sweep_only, args.tma)
+    if args.quant:
+        result["quant"] = bench_quant(args.quant.split(","), gate_up, down, g)
     if os.environ.get("OUT"):
         path = Path(os.environ["OUT"]) / "moe_kernels.json"
         path.write_text(json.dumps(result, indent=1))

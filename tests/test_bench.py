@@ -21,6 +21,28 @@ def test_bench_tiny_writes_its_results(tmp_path):
     assert data["threads"] == 1 and ours["fast_kernels"] is False  # the reference kernels on the CPU
 
 
+def test_bench_quant_quantizes_on_the_device_and_measures_the_error(tmp_path):
+    out = tmp_path / "bench.json"
+    opts = BenchOptions(
+        tiny=True, device="cpu", dtype="float32", contexts="64", gen_steps=0, quant="int4", out=str(out)
+    )
+    opts.quant_set = ("attn=fp8",)
+    run(opts)
+    data = json.loads(out.read_text())
+    q = data["quant"]
+    assert q["profile"] == "int4" and q["formats"]["attn"] == "fp8" and q["overrides"] == {"attn": "fp8"}
+    layers = len(q["layer_rel_err"])
+    assert (
+        layers == 5
+        and 0 < q["layer_rel_err"][0] < q["logits_rel_err"] < 2
+        and 0 <= q["argmax_agreement"] <= 1
+    )
+    assert q["bf16_repeat"]["logits_rel_err"] == 0.0  # the reference kernels are deterministic
+    ours = data["diffgemma"]
+    assert ours["weights_gib"] < data["bf16_weight_gib"] and ours["generate_tok_s"] > 0
+    assert ours["generate_tok_s"] > ours["generate_tok_s_with_prefill"]
+
+
 def test_bench_defaults_and_usage_errors():
     assert BenchOptions(tiny=True).context_list() == [int(x) for x in TINY_CONTEXTS.split(",")]
     assert BenchOptions().context_list() == [int(x) for x in CONTEXTS.split(",")]
@@ -35,6 +57,14 @@ def test_bench_defaults_and_usage_errors():
             f"diffgemma: error: {flag} must be at least 10, got 3 (see `diffgemma bench --help`)"
             in proc.stderr
         )
+    for args, message in (
+        (["--quant", "q4"], "unknown profile 'q4'"),
+        (["--set", "attn=fp8"], "needs --quant"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "diffgemma.cli", "bench", "--tiny", *args], capture_output=True, text=True
+        )
+        assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1
 
 
 def _compare_hf():

@@ -86,7 +86,7 @@ def tiny_config() -> dict[str, Any]:
     """A small config with the same structure, for running the bench's code paths on CPU."""
     from diffgemma.testing.checkpoint import TINY_TEXT_CONFIG, TINY_VISION_CONFIG
 
-    tc = dict(TINY_TEXT_CONFIG, sliding_window=16)
+    tc = dict(TINY_TEXT_CONFIG, sliding_window=16, moe_intermediate_size=32)  # every format's dimension rule
     return {**REAL_CONFIG, "canvas_length": 32, "text_config": tc, "vision_config": TINY_VISION_CONFIG}
 
 
@@ -257,6 +257,9 @@ class BenchOptions:
     gen_steps: int = 48
     gen_prompt: int = 1024
     gen_reps: int = 10
+    fixed_steps: int = 16  # generate_tok_s: denoise steps a block, as vLLM's published figure (0 = skip)
+    quant: str | None = None  # a quant profile (quant.profiles) applied to the weights on the device
+    quant_set: tuple[str, ...] = ()  # --set CLASS=FORMAT on top of it
     init: str = "hf"  # random weights' distribution: transformers' _init_weights, or the "wide" test one
     kernels: str = "auto"
     compile: bool = True
@@ -278,6 +281,12 @@ class BenchOptions:
             raise ValueError(f"--threads must be at least 1, got {self.threads}")
         if self.init not in ("hf", "wide"):
             raise ValueError(f"--init must be hf or wide, got {self.init!r}")
+        if self.quant is not None or self.quant_set:
+            from diffgemma.quant.profiles import resolve
+
+            if self.quant is None:
+                raise ValueError("--set needs --quant PROFILE")
+            resolve(self.quant, self.quant_set)  # QuantSpecError (a ValueError) names the bad item
 
 
 def measure(
@@ -333,6 +342,12 @@ def measure(
         res["generate_block_s"] = _median(ms) / 1e3
         res["generate_setup"] = f"prompt {opts.gen_prompt} tokens, {c}-token canvas, {opts.gen_steps} steps"
         log(f"{runner.name}: generate {c} tokens: {res['generate_block_s']:.3f} s")
+    if opts.fixed_steps > 0 and runner.name == OursRunner.name:
+        res.update(generate_rate(runner, cfg, opts, device, g))
+        log(
+            f"{runner.name}: {opts.fixed_steps} steps a block: {res['generate_tok_s']:,.0f} tok/s "
+            f"({res['generate_tok_s_with_prefill']:,.0f} with the prompt's prefill)"
+        )
     if device.type == "cuda":
         res["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
     if runner.name == OursRunner.name:
@@ -343,6 +358,116 @@ def measure(
             res["fused_regions"] = regions.regions_report(model.kernels.regions)
     runner.new_cache(0)
     return res
+
+
+def generate_rate(runner, cfg: ModelConfig, opts: BenchOptions, device: torch.device, g) -> dict[str, Any]:
+    """Tokens a second of one block at `opts.fixed_steps` steps, early stops off: the canvas over its denoise
+    steps plus its commit (the committed block prefilled into the cache), prefill of the prompt excluded as vLLM
+    reports it; and with the prompt's prefill."""
+    c = cfg.canvas_length
+    prompt = torch.randint(0, cfg.vocab_size, (opts.gen_prompt,), generator=g).tolist()
+    rows = []
+    for i in range(opts.gen_reps + 1):  # the first: warm-up (graph capture)
+        out = runner.generate(prompt, opts.fixed_steps, c)
+        t0 = time.perf_counter()
+        runner.runner.prefill(torch.tensor([out.token_ids], device=device), runner.kv)  # the commit
+        _sync(device)
+        if i:
+            rows.append((out.prefill_seconds, out.denoise_seconds, time.perf_counter() - t0))
+    prefill, denoise, commit = (_median([r[j] for r in rows]) for j in range(3))
+    return {
+        "generate_tok_s": c / (denoise + commit),
+        "generate_tok_s_with_prefill": c / (prefill + denoise + commit),
+        "generate_fixed_setup": f"prompt {opts.gen_prompt} tokens, {c}-token canvas, {opts.fixed_steps} steps, "
+        f"early stops off; denoise {denoise * 1e3:.1f} ms + commit {commit * 1e3:.1f} ms, "
+        f"prompt prefill {prefill * 1e3:.1f} ms",
+    }
+
+
+def weight_bytes(model: DiffusionGemma) -> int:
+    """Bytes of the model's weights on its device: parameters and quantized weights (views counted once)."""
+    from diffgemma.quant.weight import QuantWeight
+
+    seen, total = set(), 0
+    tensors = list(model.parameters())
+    for m in model.modules():
+        tensors += [t for w in vars(m).values() if isinstance(w, QuantWeight) for t in w.parts.values()]
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+@torch.no_grad()
+def quantize_weights(model: DiffusionGemma, profile: str, sets: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Quantize the model's weights in place on their device, as a pack of this profile would load there
+    (formats without a kernel on the device dequantized back, as the loader does). Returns the resolved spec."""
+    from diffgemma.quant.formats import dims_problem
+    from diffgemma.quant.profiles import resolve
+    from diffgemma.quant.weight import QuantWeight
+    from diffgemma.weights.loader import ATTR_CLASSES, checkpoint_names, runs_quantized
+
+    base, fmts, given = resolve(profile, sets)
+    for name, module, attr in checkpoint_names(model):
+        fmt = fmts.get(ATTR_CLASSES.get(attr, ""), "bf16")
+        if fmt == "bf16":
+            continue
+        w = getattr(module, attr)
+        problem = dims_problem(fmt, tuple(w.shape))
+        if problem:
+            raise ValueError(f"{name} cannot be {fmt}: {problem}")
+        q = QuantWeight.quantize(w, fmt)
+        module._parameters.pop(attr, None)
+        if runs_quantized(w.device, attr, fmt):
+            setattr(module, attr, q)
+        else:
+            setattr(module, attr, torch.nn.Parameter(q.dequantize(w.dtype), requires_grad=False))
+        del w
+    for layer in model.layers:
+        layer._merged.clear()
+    gc.collect()
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"profile": base, "formats": fmts, "overrides": given}
+
+
+@torch.no_grad()
+def layer_outputs(model: DiffusionGemma, prompt: torch.Tensor, canvas: torch.Tensor) -> list[torch.Tensor]:
+    """Each layer's output over a denoise of `canvas` after prefilling `prompt` (through the model's own kernel
+    table, eagerly), then the final logits."""
+    outs: list[torch.Tensor] = []
+    real = model.layer_forward
+
+    def record(*args, **kwargs):
+        h, x = real(*args, **kwargs)
+        if args[3].phase == "denoise":
+            outs.append(h.float())
+        return h, x
+
+    model.layer_forward = record
+    try:
+        cache = model.new_cache(prompt.shape[1] + 2 * canvas.shape[1])
+        model.prefill(prompt, cache)
+        outs.append(model.denoise(canvas, cache, sc_seed=True).float())
+    finally:
+        del model.layer_forward
+    return outs
+
+
+def quant_error(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict[str, Any]:
+    """Per-layer and final relative error (Frobenius) of the quantized model against bf16, and the logits' argmax
+    agreement."""
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm())
+
+    return {
+        "layer_rel_err": [rel(a, b) for a, b in zip(got[:-1], ref[:-1], strict=True)],
+        "logits_rel_err": rel(got[-1], ref[-1]),
+        "argmax_agreement": float((got[-1].argmax(-1) == ref[-1].argmax(-1)).float().mean()),
+    }
 
 
 def kv_bytes(cfg: ModelConfig, ctx: int, dtype: torch.dtype) -> int:
@@ -410,9 +535,25 @@ def setup(opts: BenchOptions) -> tuple[ModelRunner, dict[str, Any], dict[str, An
         results["threads"] = set_cpu_threads(model.cfg, opts.threads)
     runtime = RuntimeConfig(kernels=opts.kernels, compile=opts.compile, prefill_chunk=opts.prefill_chunk)
     runner = ModelRunner(model, runtime.validated())
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    results["weight_gib"] = weight_bytes / GIB
-    log(f"model ready in {time.perf_counter() - t0:.1f} s: {weight_bytes / GIB:.2f} GiB of weights")
+    if opts.quant:  # the bf16 model's outputs first, then the same weights quantized
+        g = torch.Generator().manual_seed(2)
+        prompt = torch.randint(0, model.cfg.vocab_size, (1, 512), generator=g).to(device)
+        canvas = torch.randint(0, model.cfg.vocab_size, (1, model.cfg.canvas_length), generator=g).to(device)
+        ref = layer_outputs(model, prompt, canvas)
+        repeat = quant_error(
+            ref, layer_outputs(model, prompt, canvas)
+        )  # the noise floor: bf16 against itself
+        results["bf16_weight_gib"] = weight_bytes(model) / GIB
+        results["quant"] = quantize_weights(model, opts.quant, opts.quant_set)
+        results["quant"].update(quant_error(ref, layer_outputs(model, prompt, canvas)))
+        results["quant"]["bf16_repeat"] = repeat
+        del ref
+        log(
+            f"quantized ({opts.quant}{''.join(' --set ' + s for s in opts.quant_set)}): logits relative error "
+            f"{results['quant']['logits_rel_err']:.4f}, argmax agreement {results['quant']['argmax_agreement']:.3f}"
+        )
+    results["weight_gib"] = weight_bytes(model) / GIB
+    log(f"model ready in {time.perf_counter() - t0:.1f} s: {results['weight_gib']:.2f} GiB of weights")
     return runner, cfg_dict, results
 
 
@@ -436,6 +577,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     results["diffgemma"] = measure(
         OursRunner(runner), opts.context_list(), opts, runner.device, ours_need(runner), log
     )
+    results["diffgemma"]["weights_gib"] = results["weight_gib"]
     save(results, opts.out)
     print(table(results, opts.context_list()))
     return results

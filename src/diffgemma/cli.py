@@ -518,6 +518,15 @@ def bench(
     ),
     gen_prompt: int = typer.Option(1024, "--gen-prompt", help="Prompt tokens of the generation."),
     gen_reps: int = typer.Option(10, "--gen-reps", help="Timed generations (median), at least 10."),
+    fixed_steps: int = typer.Option(
+        16, "--fixed-steps", help="Steps a block of the tok/s generation, early stops off (0 = skip)."
+    ),
+    quant: str | None = typer.Option(
+        None, "--quant", help="Quantize the weights on the device first: a profile (int4, fp8, ...)."
+    ),
+    quant_set: list[str] = typer.Option(
+        [], "--set", help="CLASS=FORMAT on top of --quant, as diffgemma quantize.", show_default=False
+    ),
     init: str = typer.Option(
         "hf", "--init", help="Random weights: transformers' init (hf) or the wide test one."
     ),
@@ -544,6 +553,9 @@ def bench(
         gen_steps=gen_steps,
         gen_prompt=gen_prompt,
         gen_reps=gen_reps,
+        fixed_steps=fixed_steps,
+        quant=quant,
+        quant_set=tuple(quant_set),
         init=init,
         kernels=kernels,
         compile=compile,

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from diffgemma.kernels import dispatch
 from diffgemma.kernels.torch_ref import gelu_tanh, rows, sum_sorted_pairs
+from diffgemma.quant.formats import FP8_MAX
+from diffgemma.quant.weight import QuantWeight, dense
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
@@ -32,11 +34,17 @@ _TRITON_MOE_DTYPES = {
 }
 
 
-def triton_moe_for(x: torch.Tensor, n_pairs: int, gate_up: torch.Tensor):
+def triton_moe_for(x: torch.Tensor, n_pairs: int, gate_up: torch.Tensor | QuantWeight):
     """kernels.triton_moe when its kernels suit this call (CUDA, 16-bit weights and activations in their dtype,
-    or fp32 ones on bf16 on the denoise tiles, not more pairs an expert than their limit), else None."""
+    or fp32 ones on bf16 on the denoise tiles; int4 or fp8 experts under bf16, fp16 or fp32 activations; not more
+    pairs an expert than their limit), else None."""
     n_exp = gate_up.shape[0]
-    if n_pairs > TRITON_MAX_PAIRS_PER_EXPERT * n_exp or (x.dtype, gate_up.dtype) not in _TRITON_MOE_DTYPES:
+    if n_pairs > TRITON_MAX_PAIRS_PER_EXPERT * n_exp:
+        return None
+    if isinstance(gate_up, QuantWeight):  # dequantized in the kernels to x's dtype, at any of the sizes
+        ok = gate_up.fmt in ("int4", "fp8") and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        return dispatch.triton("triton_moe", x) if ok else None
+    if (x.dtype, gate_up.dtype) not in _TRITON_MOE_DTYPES:
         return None
     tm = dispatch.triton("triton_moe", x)
     # fp32 activations (three bf16 MMAs a step) only on the denoise tiles, measured at a short prompt's sizes
@@ -104,9 +112,26 @@ def experts_grouped(
     """Each sorted pair's expert output [N*k, H], unweighted, in x's dtype: the rows x[perm // k] gathered, then the
     gate_up GEMM, `gelu_mul` (gelu(gate) * up; a compiled region where the caller has one) and the down GEMM, each
     grouped by expert (`offs`: each expert's end in the sorted pairs, int32 [E])."""
-    dt = x.dtype
-    gu = _grouped_mm(x[perm // k], gate_up.to(dt).transpose(1, 2), offs=offs)  # [N*k, 2I]
-    return _grouped_mm(gelu_mul(gu), down.to(dt).transpose(1, 2), offs=offs)
+    dt = x.dtype  # quantized experts (no kernel for this call) are dequantized whole: the reference's way
+    gu = _grouped_mm(x[perm // k], dense(gate_up, dt).transpose(1, 2), offs=offs)  # [N*k, 2I]
+    return _grouped_mm(gelu_mul(gu), dense(down, dt).transpose(1, 2), offs=offs)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as e4m3 with one fp32 scale a row (dynamic activation quantization, as vLLM's FP8-dynamic)."""
+    scale = (x.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def linear_fp8(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """x @ w.T for an fp8 weight (one fp32 scale an output channel) as one fp8 GEMM on the tensor cores: x
+    quantized per row (`quantize_rows_fp8`), fp32 accumulation, out in x's dtype."""
+    lead = x.shape[:-1]
+    xq, sx = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
+    out = torch._scaled_mm(
+        xq, w.parts[""].t(), scale_a=sx, scale_b=w.parts["_scale"].reshape(1, -1), out_dtype=x.dtype
+    )
+    return out.view(*lead, -1)
 
 
 # -- attention ---------------------------------------------------------------------------------------

@@ -359,7 +359,7 @@ class FastKernels(Kernels):
         if library.triton_moe_for(x, perm.numel(), gate_up) is not None:
 
             def kernels(m):
-                cfg = m.config_for(perm.numel(), gate_up.shape[0], x.dtype != gate_up.dtype)
+                cfg = m.config_for_weights(perm.numel(), x, gate_up)
                 return m.down_sorted(
                     m.gate_up_act(x, gate_up, perm, bounds, top_k, cfg.gate_up), down, bounds, cfg.down
                 )

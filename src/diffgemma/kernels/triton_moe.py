@@ -20,6 +20,12 @@ and read back.) H and I are compile-time constants (one compile per model shape)
 (`CONFIGS`, chosen by `DEFAULT_CONFIG`), never autotuned at run time: the step is captured in a CUDA graph.
 `bench/moe_kernels.py` times the candidates. fp32 activations on bf16 weights (a short prompt's prefill, seed rule
 7) keep fp32 throughout, with fp32-grade products from three bf16 MMAs (`_mma`).
+
+Quantized experts (a `QuantWeight` of fmt "int4" or "fp8", weight-only): the same kernels with the weight format
+a constexpr (WFMT). Each weight tile is loaded packed (through TMA where the tiles ask for it and the rows allow,
+its scales and zero points by masked loads), dequantized in fp32 in registers exactly as `formats.decode` does,
+rounded to the activations' dtype and multiplied as a plain weight is; under fp32 activations the fp32 tile goes to
+an IEEE fp32 dot, so the result is the fp32 reference's to rounding.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from diffgemma.kernels import pdl
 from diffgemma.kernels.dispatch import INTERPRET
 from diffgemma.kernels.torch_ref import sum_sorted_pairs
+from diffgemma.quant.weight import QuantWeight
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,41 @@ CONFIGS["prefill"] = MoeConfig(
 # Pairs per expert up to which DEFAULT_CONFIG serves (a denoise step has ~16); above, "prefill".
 DENOISE_MAX_PAIRS_PER_EXPERT = 32
 
+# Quantized experts (any config serves them): candidates for `bench/moe_kernels.py --quant`. At a denoise step on
+# the H200 the packed data through TMA (scales by plain loads), 64 inputs a step and the transposed product (the
+# dequantized weights as wgmma's register operand) measured fastest for int4 and fp8 alike (whole call 0.50 ms
+# int4, 0.35 ms fp8, bf16's default 0.48 ms); 128 or 256 inputs a step, 8 warps, 128 weight rows, pointer loads or
+# the plain product were slower. int4 is bound by its dequantization (twice fp8's values a byte), not by HBM.
+_Q = Tiles(block_m=32, block_n=64, block_k=64, num_stages=4, m_slots=2, swap_ab=True, tma=True)
+CONFIGS["q_m32_k64_tma"] = MoeConfig(_Q, _Q)
+CONFIGS["q_m32_k128_tma"] = MoeConfig(*[dataclasses.replace(_Q, block_k=128, num_stages=3)] * 2)
+CONFIGS["q_m32_k64"] = MoeConfig(*[dataclasses.replace(_Q, tma=False)] * 2)
+CONFIGS["q_m32_k64_tma_s1"] = MoeConfig(*[dataclasses.replace(_Q, m_slots=1)] * 2)
+# A prefill chunk (4,096 rows): bf16's prefill tiles, transposed, measured fastest (int4 3.0 ms, fp8 2.2 ms; bf16 2.1)
+CONFIGS["q_prefill_tma"] = MoeConfig(CONFIGS["prefill"].gate_up, CONFIGS["prefill"].down)
+CONFIGS["q_prefill"] = MoeConfig(
+    dataclasses.replace(CONFIGS["prefill"].gate_up, tma=False),
+    dataclasses.replace(CONFIGS["prefill"].down, tma=False),
+)
+CONFIGS["q_prefill_swap_tma"] = MoeConfig(
+    dataclasses.replace(CONFIGS["prefill"].gate_up, swap_ab=True),
+    dataclasses.replace(CONFIGS["prefill"].down, swap_ab=True),
+)
+# fp32 activations multiply on the CUDA cores (IEEE fp32 dots): their operands live in registers, which spill
+# past 32 inputs a step
+_Q_FP32 = Tiles(block_m=32, block_n=64, block_k=32, num_stages=3, m_slots=2, swap_ab=True)
+CONFIGS["q_fp32"] = MoeConfig(_Q_FP32, dataclasses.replace(_Q_FP32, cols_fast=True))
+CONFIGS["q_fp32_m64"] = MoeConfig(
+    dataclasses.replace(_Q_FP32, block_m=64, num_warps=8, m_slots=4),
+    dataclasses.replace(_Q_FP32, block_m=64, num_warps=8, m_slots=4, cols_fast=True),
+)
+# The quantized tiles by format: a denoise step's, a prefill chunk's, fp32 activations' (`config_for`)
+QUANT_CONFIG = {"int4": "q_m32_k64_tma", "fp8": "q_m32_k64_tma"}
+QUANT_PREFILL_CONFIG = {"int4": "q_prefill_swap_tma", "fp8": "q_prefill_swap_tma"}
+QUANT_FP32_CONFIG = {"denoise": "q_fp32", "prefill": "q_fp32_m64"}
+# What `bench/moe_kernels.py --quant` times
+QUANT_CANDIDATES = [name for name in CONFIGS if name.startswith("q_")]
+
 # The interpreter multiplies bf16 operands of tl.dot as their raw uint16 bits; under it the operands go to
 # the dot as fp32 (exact products, so the interpreter still checks the kernels' indexing and rounding).
 _UPCAST_DOT = INTERPRET
@@ -129,16 +171,32 @@ def _gelu_tanh(g):
 
 
 @triton.jit
-def _dot(a, w, acc, SWAP_AB: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """acc += a [M, K] @ w [N, K].T, acc laid out [N, M] when SWAP_AB."""
+def _dot(a, w, acc, SWAP_AB: tl.constexpr, UPCAST_DOT: tl.constexpr, IEEE: tl.constexpr = False):
+    """acc += a [M, K] @ w [N, K].T, acc laid out [N, M] when SWAP_AB. IEEE: fp32 operands multiplied in fp32
+    (not tf32), as the fp32 reference does."""
     if UPCAST_DOT:
         a = a.to(tl.float32)
         w = w.to(tl.float32)
-    return tl.dot(w, tl.trans(a), acc) if SWAP_AB else tl.dot(a, tl.trans(w), acc)
+    if IEEE:
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(a), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(w, tl.trans(a), acc) if SWAP_AB else tl.dot(a, tl.trans(w), acc)
+    return acc
 
 
 @triton.jit
-def _mma(a, w, acc, SWAP_AB: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT3: tl.constexpr):
+def _mma(
+    a,
+    w,
+    acc,
+    SWAP_AB: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    SPLIT3: tl.constexpr,
+    IEEE: tl.constexpr = False,
+):
     """acc += a @ w.T (`_dot`). SPLIT3: a is fp32 and w bf16; a is cut into three bf16 parts,
     a = hi + mid + lo to within 2^-24 relative (each part holds the next 8 bits of the remainder), and each part
     is multiplied exactly on the tensor cores: fp32-grade products at the price of three 16-bit MMAs, not of
@@ -152,8 +210,64 @@ def _mma(a, w, acc, SWAP_AB: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT3: tl.
         acc = _dot(mid, w, acc, SWAP_AB, UPCAST_DOT)
         acc = _dot(hi, w, acc, SWAP_AB, UPCAST_DOT)
     else:  # one return: code after a constexpr branch's return is still compiled
-        acc = _dot(a, w, acc, SWAP_AB, UPCAST_DOT)
+        acc = _dot(a, w, acc, SWAP_AB, UPCAST_DOT, IEEE)
     return acc
+
+
+# The kernels' weight format (WFMT): a plain tensor, or a `QuantWeight` (`formats` has the layouts). Plain is
+# None, the value a compile that leaves WFMT out binds (tests/test_triton_ptx.py compiles the plain kernels so)
+_PLAIN = tl.constexpr(None)
+_INT4 = tl.constexpr(1)
+_FP8 = tl.constexpr(2)
+_WFMT = {"int4": 1, "fp8": 2}
+
+
+@triton.jit
+def _load_packed(
+    q_ptr, rows, row_ok, k0, K: tl.constexpr, stride_qr, stride_qk, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, WFMT: tl.constexpr,
+):  # fmt: skip
+    """Inputs k0..k0 + BLOCK_K of rows `rows` of one expert's quantized data (masked loads, zeros past K and on
+    rows not row_ok): int4's bytes [BLOCK_N, BLOCK_K / 2], fp8's values [BLOCK_N, BLOCK_K]."""
+    if WFMT == _INT4:
+        kk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        k_ok = kk < K // 2
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < K
+    mask = row_ok[:, None] if K % BLOCK_K == 0 else row_ok[:, None] & k_ok[None, :]
+    other = 0 if WFMT == _INT4 else 0.0
+    return tl.load(q_ptr + rows[:, None] * stride_qr + kk[None, :] * stride_qk, mask=mask, other=other)
+
+
+@triton.jit
+def _dequant(
+    raw, s_ptr, z_ptr, rows, row_ok, k0, K: tl.constexpr, stride_sr, stride_sg, stride_zr, stride_zg,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr, dtype: tl.constexpr,
+):  # fmt: skip
+    """A quantized weight tile (`_load_packed`'s, or a TMA load's) with its scales (and zero points) from
+    s_ptr / z_ptr, dequantized in fp32 as `formats.decode` does and rounded to dtype: [BLOCK_N, BLOCK_K]; zeros
+    past K."""
+    if WFMT == _INT4:
+        # raw: input 2j in byte j's low nibble, 2j + 1 in its high one; a scale and a zero nibble per 32 inputs
+        g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        g_mask = row_ok[:, None] if K % BLOCK_K == 0 else row_ok[:, None] & (g < K // 32)[None, :]
+        s = tl.load(s_ptr + rows[:, None] * stride_sr + g[None, :] * stride_sg, mask=g_mask, other=0.0)
+        zb = tl.load(z_ptr + rows[:, None] * stride_zr + (g // 2)[None, :] * stride_zg, mask=g_mask, other=0)
+        # nibbles to fp32 by their bits: 0x4B000000 | v is 2^23 + v exactly, and (2^23 + q) - (2^23 + z) is q - z
+        # exactly (int-to-float conversions run at a quarter of the fp32 rate)
+        pi = raw.to(tl.int32)
+        lo = ((pi & 15) | 0x4B000000).to(tl.float32, bitcast=True)
+        hi = ((pi >> 4) | 0x4B000000).to(tl.float32, bitcast=True)
+        zi = (zb.to(tl.int32) >> ((g % 2) * 4)[None, :]) & 15
+        zf = (zi | 0x4B000000).to(tl.float32, bitcast=True)
+        q = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K // 32, 32))
+        w = (q - zf[:, :, None]) * s.to(tl.float32)[:, :, None]
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K))
+    else:  # fp8 e4m3, one fp32 scale a row
+        s = tl.load(s_ptr + rows * stride_sr, mask=row_ok, other=0.0)
+        w = raw.to(tl.float32) * s[:, None]
+    return w.to(dtype)
 
 
 @triton.jit
@@ -183,6 +297,17 @@ def _gate_up_kernel(
     TMA: tl.constexpr,
     COLS_FAST: tl.constexpr,
     PDL: tl.constexpr,
+    # a quantized gate_up (WFMT not _PLAIN): gu_ptr its data, ws_ptr / wz_ptr its scales / zero points
+    ws_ptr=None,
+    wz_ptr=None,
+    stride_se=0,
+    stride_sr=0,
+    stride_sg=0,
+    stride_ze=0,
+    stride_zr=0,
+    stride_zg=0,
+    WFMT: tl.constexpr = _PLAIN,
+    IEEE: tl.constexpr = False,
 ):
     pdl.start(PDL)
     slot_id = tl.program_id(1) if COLS_FAST else tl.program_id(0)
@@ -195,9 +320,14 @@ def _gate_up_kernel(
     ks = tl.arange(0, BLOCK_K)
     if TMA:  # gu_ptr: a descriptor of gate_up as [E * 2I, H] (`_weight_descriptor`)
         row_gate = e * (2 * INTER) + col_block * BLOCK_N
-    else:
+    elif WFMT == _PLAIN:
         w_gate = gu_ptr + e.to(tl.int64) * stride_ge + cols[:, None] * stride_gr + ks[None, :] * stride_gh
         w_up = w_gate + INTER * stride_gr
+    else:
+        q_e = gu_ptr + e.to(tl.int64) * stride_ge
+    if WFMT != _PLAIN:  # expert e's scales and zero points (fp8 has none)
+        s_e = ws_ptr + e.to(tl.int64) * stride_se
+        z_e = wz_ptr + e.to(tl.int64) * stride_ze if WFMT == _INT4 else wz_ptr
     adt = act_ptr.dtype.element_ty  # x's dtype: where the grouped path rounds
     acc_shape: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N)
     m0 = start + (slot_id % M_SLOTS) * BLOCK_M
@@ -218,14 +348,29 @@ def _gate_up_kernel(
                 w_mask = col_ok[:, None] & k_ok[None, :]
             xs = tl.load(x_tile + k0 * stride_xh, mask=x_mask, other=0.0).to(adt)
             # rows past INTER (a partial column block) read the next rows: their columns are not stored
-            if TMA:
-                wg = gu_ptr.load([row_gate, k0])
-                wu = gu_ptr.load([row_gate + INTER, k0])
-            else:
+            if TMA:  # a quantized weight's packed bytes: int4 holds two inputs a byte
+                kq = k0 // 2 if WFMT == _INT4 else k0
+                wg = gu_ptr.load([row_gate, kq])
+                wu = gu_ptr.load([row_gate + INTER, kq])
+            elif WFMT == _PLAIN:
                 wg = tl.load(w_gate + k0 * stride_gh, mask=w_mask, other=0.0)
                 wu = tl.load(w_up + k0 * stride_gh, mask=w_mask, other=0.0)
-            acc_g = _mma(xs, wg, acc_g, SWAP_AB, UPCAST_DOT, SPLIT3)
-            acc_u = _mma(xs, wu, acc_u, SWAP_AB, UPCAST_DOT, SPLIT3)
+            else:
+                wg = _load_packed(q_e, cols, col_ok, k0, H, stride_gr, stride_gh, BLOCK_N, BLOCK_K, WFMT)
+                wu = _load_packed(
+                    q_e, cols + INTER, col_ok, k0, H, stride_gr, stride_gh, BLOCK_N, BLOCK_K, WFMT
+                )
+            if WFMT != _PLAIN:
+                wg = _dequant(
+                    wg, s_e, z_e, cols, col_ok, k0, H, stride_sr, stride_sg, stride_zr, stride_zg, BLOCK_N,
+                    BLOCK_K, WFMT, adt,
+                )  # fmt: skip
+                wu = _dequant(
+                    wu, s_e, z_e, cols + INTER, col_ok, k0, H, stride_sr, stride_sg, stride_zr, stride_zg,
+                    BLOCK_N, BLOCK_K, WFMT, adt,
+                )  # fmt: skip
+            acc_g = _mma(xs, wg, acc_g, SWAP_AB, UPCAST_DOT, SPLIT3, IEEE)
+            acc_u = _mma(xs, wu, acc_u, SWAP_AB, UPCAST_DOT, SPLIT3, IEEE)
         if SWAP_AB:
             acc_g = tl.trans(acc_g)
             acc_u = tl.trans(acc_u)
@@ -263,6 +408,17 @@ def _down_kernel(
     TMA: tl.constexpr,
     COLS_FAST: tl.constexpr,
     PDL: tl.constexpr,
+    # a quantized down (WFMT not _PLAIN): dn_ptr its data, ws_ptr / wz_ptr its scales / zero points
+    ws_ptr=None,
+    wz_ptr=None,
+    stride_se=0,
+    stride_sr=0,
+    stride_sg=0,
+    stride_ze=0,
+    stride_zr=0,
+    stride_zg=0,
+    WFMT: tl.constexpr = _PLAIN,
+    IEEE: tl.constexpr = False,
 ):
     pdl.start(PDL)
     slot_id = tl.program_id(1) if COLS_FAST else tl.program_id(0)
@@ -275,8 +431,13 @@ def _down_kernel(
     ks = tl.arange(0, BLOCK_K)
     if TMA:  # dn_ptr: a descriptor of down as [E * H, I]; columns past I load as zeros
         row0 = e * H + col_block * BLOCK_N
-    else:
+    elif WFMT == _PLAIN:
         w_tile = dn_ptr + e.to(tl.int64) * stride_de + cols[:, None] * stride_dh + ks[None, :] * stride_di
+    else:
+        q_e = dn_ptr + e.to(tl.int64) * stride_de
+    if WFMT != _PLAIN:  # expert e's scales and zero points (fp8 has none)
+        s_e = ws_ptr + e.to(tl.int64) * stride_se
+        z_e = wz_ptr + e.to(tl.int64) * stride_ze if WFMT == _INT4 else wz_ptr
     acc_shape: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N)
     m0 = start + (slot_id % M_SLOTS) * BLOCK_M
     while m0 < end:  # not range(start, end, ..): the interpreter cannot index with loaded scalars
@@ -293,11 +454,18 @@ def _down_kernel(
                 a_mask = row_ok[:, None] & k_ok[None, :]
                 w_mask = col_ok[:, None] & k_ok[None, :]
             a = tl.load(a_tile + k0 * stride_ai, mask=a_mask, other=0.0)
-            if TMA:  # noqa: SIM108 - w_tile exists only without TMA: one branch compiled
-                w = dn_ptr.load([row0, k0])
-            else:
+            if TMA:  # a quantized weight's packed bytes: int4 holds two inputs a byte
+                w = dn_ptr.load([row0, k0 // 2 if WFMT == _INT4 else k0])
+            elif WFMT == _PLAIN:
                 w = tl.load(w_tile + k0 * stride_di, mask=w_mask, other=0.0)
-            acc = _mma(a, w, acc, SWAP_AB, UPCAST_DOT, SPLIT3)
+            else:
+                w = _load_packed(q_e, cols, col_ok, k0, INTER, stride_dh, stride_di, BLOCK_N, BLOCK_K, WFMT)
+            if WFMT != _PLAIN:
+                w = _dequant(
+                    w, s_e, z_e, cols, col_ok, k0, INTER, stride_sr, stride_sg, stride_zr, stride_zg, BLOCK_N,
+                    BLOCK_K, WFMT, act_ptr.dtype.element_ty,
+                )  # fmt: skip
+            acc = _mma(a, w, acc, SWAP_AB, UPCAST_DOT, SPLIT3, IEEE)
         if SWAP_AB:
             acc = tl.trans(acc)
         dst = y_ptr + pos[:, None] * stride_yn + cols[None, :] * stride_yh
@@ -313,8 +481,16 @@ def sort_pairs(ids: torch.Tensor, n_exp: int) -> tuple[torch.Tensor, torch.Tenso
     return perm, torch.searchsorted(sorted_ids, experts, out_int32=True)
 
 
-def _split3(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """fp32 activations on bf16 weights (a short prompt's prefill, seed rule 7): `_mma`'s three-way split."""
+def _split3(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> bool:
+    """fp32 activations on bf16 weights (a short prompt's prefill, seed rule 7): `_mma`'s three-way split. A
+    quantized weight's tile is dequantized to x's dtype: never split."""
+    if isinstance(w, QuantWeight):
+        if w.fmt not in _WFMT or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(
+                f"triton_moe takes int4 or fp8 experts under bf16, fp16 or fp32 activations, got {w.fmt} "
+                f"under {x.dtype}"
+            )
+        return False
     if x.dtype == w.dtype:
         return False
     if x.dtype == torch.float32 and w.dtype == torch.bfloat16:
@@ -330,6 +506,49 @@ def _weight_descriptor(w: torch.Tensor, tiles: Tiles) -> TensorDescriptor:
     if not w.is_contiguous():
         raise ValueError("the TMA expert kernels need contiguous expert weights")
     return TensorDescriptor(w, [e * r, k], [k, 1], [tiles.block_n, tiles.block_k])
+
+
+def _quant_args(x: torch.Tensor, w: QuantWeight, tiles: Tiles) -> dict:
+    """A quantized weight's scale and zero-point tensors, their strides and its format constants (`_dequant`);
+    the data goes where a plain weight does."""
+    _split3(x, w)
+    if w.fmt == "int4" and tiles.block_k % 32:
+        raise ValueError(
+            f"int4 experts take block_k a multiple of 32 (a scale a 32 inputs), not {tiles.block_k}"
+        )
+    scale, zero = w.parts["_scale"], w.parts.get("_zero")
+    return dict(
+        ws_ptr=scale,
+        wz_ptr=zero,
+        **dict(zip(("stride_se", "stride_sr", "stride_sg"), scale.stride(), strict=True)),
+        **dict(
+            zip(
+                ("stride_ze", "stride_zr", "stride_zg"),
+                zero.stride() if zero is not None else (0, 0, 0),
+                strict=True,
+            )
+        ),
+        WFMT=_WFMT[w.fmt],
+        IEEE=x.dtype == torch.float32,  # fp32 products of the fp32 dequantized tile, not tf32
+    )
+
+
+def _weight_args(x: torch.Tensor, w: torch.Tensor | QuantWeight, tiles: Tiles) -> tuple:
+    """(tiles, what the kernel takes as the weight, its strides, the quantized weight's extra arguments). A
+    quantized weight's data goes through TMA (its scales through plain loads) where TMA can take it: contiguous,
+    rows of a multiple of 16 bytes; else tma is turned off."""
+    if not isinstance(w, QuantWeight):
+        return tiles, _weight_descriptor(w, tiles) if tiles.tma else w, w.stride(), {}
+    data = w.parts[""]
+    if tiles.tma and not (data.is_contiguous() and data.shape[-1] * data.element_size() % 16 == 0):
+        tiles = dataclasses.replace(tiles, tma=False)
+    quant = _quant_args(x, w, tiles)
+    if not tiles.tma:
+        return tiles, data, data.stride(), quant
+    pack = 2 if w.fmt == "int4" else 1  # inputs a stored element
+    e, r, kb = data.shape
+    desc = TensorDescriptor(data, [e * r, kb], [kb, 1], [tiles.block_n, tiles.block_k // pack])
+    return tiles, desc, data.stride(), quant
 
 
 def _launch_options(tiles: Tiles, h: int, inter: int, split3: bool, device: torch.device) -> dict:
@@ -356,7 +575,7 @@ def _launch_options(tiles: Tiles, h: int, inter: int, split3: bool, device: torc
 
 def gate_up_act(
     x: torch.Tensor,
-    gate_up: torch.Tensor,
+    gate_up: torch.Tensor | QuantWeight,
     perm: torch.Tensor,
     bounds: torch.Tensor,
     top_k: int,
@@ -367,35 +586,41 @@ def gate_up_act(
     inter = two_i // 2
     act = torch.empty(perm.shape[0], inter, device=x.device, dtype=x.dtype)
     grid = (n_exp * tiles.m_slots, triton.cdiv(inter, tiles.block_n))
+    tiles, w, w_strides, quant = _weight_args(x, gate_up, tiles)
     _gate_up_kernel[grid[::-1] if tiles.cols_fast else grid](
         x,
-        _weight_descriptor(gate_up, tiles) if tiles.tma else gate_up,
+        w,
         act,
         perm,
         bounds,
         top_k,
         *x.stride(),
-        *gate_up.stride(),
+        *w_strides,
         *act.stride(),
         **_launch_options(tiles, h, inter, _split3(x, gate_up), x.device),
+        **quant,
     )
     return act
 
 
-def down_sorted(act: torch.Tensor, down: torch.Tensor, bounds: torch.Tensor, tiles: Tiles) -> torch.Tensor:
+def down_sorted(
+    act: torch.Tensor, down: torch.Tensor | QuantWeight, bounds: torch.Tensor, tiles: Tiles
+) -> torch.Tensor:
     """Kernel 2: y [N*k, H] (act's dtype, sorted pair order) = act @ down[e].T."""
     n_exp, h, inter = down.shape
     y = torch.empty(act.shape[0], h, device=act.device, dtype=act.dtype)
     grid = (n_exp * tiles.m_slots, triton.cdiv(h, tiles.block_n))
+    tiles, w, w_strides, quant = _weight_args(act, down, tiles)
     _down_kernel[grid[::-1] if tiles.cols_fast else grid](
         act,
-        _weight_descriptor(down, tiles) if tiles.tma else down,
+        w,
         bounds,
         y,
         *act.stride(),
-        *down.stride(),
+        *w_strides,
         *y.stride(),
         **_launch_options(tiles, h, inter, _split3(act, down), act.device),
+        **quant,
     )
     return y
 
@@ -405,25 +630,40 @@ def few_pairs(n_pairs: int, n_exp: int) -> bool:
     return n_pairs <= DENOISE_MAX_PAIRS_PER_EXPERT * n_exp
 
 
-def config_for(n_pairs: int, n_exp: int, split3: bool = False) -> MoeConfig:
+def config_for(
+    n_pairs: int, n_exp: int, split3: bool = False, fmt: str | None = None, fp32: bool = False
+) -> MoeConfig:
     """The tiles for n_pairs (row, expert) pairs over n_exp experts: DEFAULT_CONFIG for a denoise step's few
-    pairs an expert (SPLIT3_CONFIG for fp32 activations), "prefill" for more."""
+    pairs an expert (SPLIT3_CONFIG for fp32 activations), "prefill" for more; for quantized experts (fmt
+    "int4", "fp8") QUANT_CONFIG[fmt] and QUANT_PREFILL_CONFIG[fmt], QUANT_FP32_CONFIG under fp32 activations."""
+    if fmt is not None:
+        few = few_pairs(n_pairs, n_exp)
+        if fp32:
+            return CONFIGS[QUANT_FP32_CONFIG["denoise" if few else "prefill"]]
+        return CONFIGS[(QUANT_CONFIG if few else QUANT_PREFILL_CONFIG)[fmt]]
     if not few_pairs(n_pairs, n_exp):
         return CONFIGS["prefill"]
     return CONFIGS[SPLIT3_CONFIG if split3 else DEFAULT_CONFIG]
+
+
+def config_for_weights(n_pairs: int, x: torch.Tensor, gate_up: torch.Tensor | QuantWeight) -> MoeConfig:
+    """`config_for` for activations x on these experts (plain or quantized)."""
+    fmt = gate_up.fmt if isinstance(gate_up, QuantWeight) else None
+    return config_for(n_pairs, gate_up.shape[0], _split3(x, gate_up), fmt, x.dtype == torch.float32)
 
 
 def moe_experts_triton(
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: torch.Tensor | QuantWeight,
+    down: torch.Tensor | QuantWeight,
     config: MoeConfig | None = None,
 ) -> torch.Tensor:
     """cuda.moe_experts as two Triton kernels. x [N, H]; weights [N, k]; ids [N, k]; gate_up [E, 2I, H];
-    down [E, H, I] -> [N, H] in x's dtype. `config` overrides `config_for` (benchmarks)."""
-    cfg = config or config_for(ids.numel(), gate_up.shape[0], _split3(x, gate_up))
+    down [E, H, I], plain or quantized (`QuantWeight`, int4 or fp8) -> [N, H] in x's dtype. `config` overrides
+    `config_for` (benchmarks)."""
+    cfg = config or config_for_weights(ids.numel(), x, gate_up)
     k = ids.shape[1]
     perm, bounds = sort_pairs(ids, gate_up.shape[0])
     act = gate_up_act(x, gate_up, perm, bounds, k, cfg.gate_up)
