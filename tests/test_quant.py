@@ -306,3 +306,11 @@ def test_a_pack_runs_from_the_command_line(source, tmp_path):
     assert proc.returncode == 0, proc.stderr
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.get_tensor("model.decoder.layers.0.experts.down_proj").dtype == torch.float8_e4m3fn
+
+
+def test_training_refuses_a_pack_as_its_starting_point(source, tmp_path):
+    from diffgemma.train.trainer import TrainConfig, train
+
+    out = pack.quantize(source, tmp_path / "pack", "int4", quiet=True)
+    with pytest.raises(ValueError, match="is a quantized pack: fine-tune from a bf16 checkpoint"):
+        train(TrainConfig(out=str(tmp_path / "run"), steps=1, init=str(out), device="cpu", canvas_length=16))

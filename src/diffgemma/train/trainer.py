@@ -331,6 +331,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         tok = Tokenizer.from_file(str(init / "tokenizer.json"))
         check_special_ids(tok)
         model_cfg = json.loads((init / "config.json").read_text())
+        if "quantization_config" in model_cfg:  # a pack's weights are not trainable parameters
+            raise ValueError(f"--init {init} is a quantized pack: fine-tune from a bf16 checkpoint")
         if model_cfg.get("canvas_length") != cfg.canvas_length:
             raise ValueError(
                 f"--init checkpoint has canvas_length {model_cfg.get('canvas_length')}, "
