@@ -314,3 +314,18 @@ def test_training_refuses_a_pack_as_its_starting_point(source, tmp_path):
     out = pack.quantize(source, tmp_path / "pack", "int4", quiet=True)
     with pytest.raises(ValueError, match="is a quantized pack: fine-tune from a bf16 checkpoint"):
         train(TrainConfig(out=str(tmp_path / "run"), steps=1, init=str(out), device="cpu", canvas_length=16))
+
+
+def test_a_sharded_source_makes_a_sharded_pack_that_loads_the_same(source, tmp_path, monkeypatch):
+    sharded = write_tiny_checkpoint(tmp_path / "src", seed=3, shards=2, **QUANTIZABLE_TINY)
+    one = pack.quantize(source, tmp_path / "one", "int4", quiet=True)
+    monkeypatch.setattr(pack, "SHARD_BYTES", 200_000)
+    many = pack.quantize(sharded, tmp_path / "many", "int4", quiet=True)
+    files = sorted(p.name for p in many.glob("*.safetensors"))
+    assert len(files) > 2 and (many / "model.safetensors.index.json").exists()
+    assert all(pack.misaligned(many / f) is None for f in files)
+    a, b = load_model(one, "cpu", torch.float32), load_model(many, "cpu", torch.float32)
+    for (na, ta), (nb, tb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert na == nb and torch.equal(ta, tb)
+    qa = a.layers[0].experts_gate_up
+    assert all(torch.equal(t, b.layers[0].experts_gate_up.parts[s]) for s, t in qa.parts.items())
