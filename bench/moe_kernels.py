@@ -151,7 +151,7 @@ def _config_name(cfg: tm.MoeConfig) -> str:
 def bench_quant(fmts: list[str], gate_up, down, g) -> list[dict]:
     """Each quantized candidate (`triton_moe.QUANT_CANDIDATES`) on gate_up / down quantized on the GPU, against the
     bf16 tiles `config_for` picks on the bf16 weights, at a denoise step (N=256) and a prefill chunk (N=4096),
-    uniform routing, bf16 activations (fp32 ones on the fp32 candidates). TB/s counts the packed bytes read once
+    uniform routing, bf16 activations on every candidate, fp32 ones on the denoise pick and SPLIT3_CONFIG. TB/s counts the packed bytes read once
     (the parts' nbytes); max|diff| and rel are against dequantize-then-matmul (the grouped path on the weights
     dequantized to bf16; for fp32 activations torch_ref on them in fp32)."""
     rows = []
@@ -185,7 +185,7 @@ def bench_quant(fmts: list[str], gate_up, down, g) -> list[dict]:
                 else:
                     want = ref.moe_experts(xa, w, ids, qg.dequantize(xa.dtype), qd.dequantize(xa.dtype))
                 picked = _config_name(tm.config_for_weights(ids.numel(), xa, qg))
-                names = [c for c in tm.QUANT_CANDIDATES if ("fp32" in c) == (act == "fp32")]
+                names = tm.QUANT_CANDIDATES if act == "bf16" else [tm.SPLIT3_CONFIG, tm.QUANT_CONFIG[fmt]]
                 for name in names:
                     cfg = tm.CONFIGS[name]
                     row = dict(n=n, fmt=fmt, act=act, config=name, picked=name == picked, bytes=nbytes)

@@ -22,9 +22,9 @@ DEV = "cuda"
 N, K, E, H, INTER = 256, 8, 128, 2816, 704
 PREFILL_N = 4096
 FORMATS = ("int4", "fp8")
-BF16_CANDIDATES = [c for c in tm.QUANT_CANDIDATES if "fp32" not in c]
+BF16_CANDIDATES = tm.QUANT_CANDIDATES
 PREFILL_CANDIDATES = [c for c in BF16_CANDIDATES if "prefill" in c]
-FP32_CANDIDATES = [c for c in tm.QUANT_CANDIDATES if "fp32" in c]
+FP32_CANDIDATES = [tm.SPLIT3_CONFIG, tm.QUANT_CONFIG["int4"]]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -97,17 +97,22 @@ def test_quant_fp16_activations(fmt):
 @pytest.mark.parametrize("n", [N, PREFILL_N])
 @pytest.mark.parametrize("name", FP32_CANDIDATES)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_quant_fp32_activations_match_fp32_reference(fmt, name, n):
-    """fp32 activations (a short prompt's prefill): the tile dequantized to fp32, IEEE fp32 products, against the
-    reference in fp64 on `decode(fmt, parts, fp32)`: fp32 rounding only."""
+def test_quant_fp32_activations_match_the_bf16_tile_reference(fmt, name, n):
+    """fp32 activations (a short prompt's prefill): the tile rounded to bf16 and x split into three bf16 parts, so
+    fp32-grade products on `decode(fmt, parts, bf16)`: against that reference in fp64, the accumulation only; against
+    the fp32 decode, only the bf16 rounding of the weights (2^-9 relative at most, far below the format's error)."""
     gate_up, down = _weights(fmt)
     x, w, ids = _inputs(4, n=n, dtype=torch.float32)
     got = tm.moe_experts_triton(x, w, ids, gate_up, down, tm.CONFIGS[name])
     assert got.dtype == torch.float32
-    want = ref.moe_experts(
+    dq16 = gate_up.dequantize(torch.bfloat16).double(), down.dequantize(torch.bfloat16).double()
+    # the tensor cores' fp32 accumulation is coarser than an SGEMM's: 2e-5 measured, as on bf16 experts
+    # (tests/gpu/test_triton_moe.py); bf16 activations are off by ~2e-3
+    assert rel(got, ref.moe_experts(x.double(), w.double(), ids, *dq16)) < 1e-4
+    exact = ref.moe_experts(
         x.double(), w.double(), ids, gate_up.dequantize().double(), down.dequantize().double()
     )
-    assert rel(got, want) < 1e-5
+    assert rel(got, exact) < 4e-3
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -122,7 +127,12 @@ def test_dispatch_takes_triton_for_quantized_experts(fmt):
         assert "triton_moe" not in dispatch.failed
         assert torch.equal(got, tm.moe_experts_triton(x, w, ids, gate_up, down, tm.CONFIGS[want_cfg]))
     x, w, ids = _inputs(6, dtype=torch.float32)
-    assert tm.config_for_weights(ids.numel(), x, gate_up) is tm.CONFIGS[tm.QUANT_FP32_CONFIG["denoise"]]
+    assert tm.config_for_weights(ids.numel(), x, gate_up) is tm.CONFIGS[tm.QUANT_CONFIG[fmt]]
+    assert fast.triton_moe_for(x, ids.numel(), gate_up) is tm
+    x, w, ids = _inputs(
+        6, n=PREFILL_N, dtype=torch.float32
+    )  # fp32 beyond the denoise tiles: the grouped path
+    assert fast.triton_moe_for(x, ids.numel(), gate_up) is None
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

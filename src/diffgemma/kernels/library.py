@@ -41,9 +41,11 @@ def triton_moe_for(x: torch.Tensor, n_pairs: int, gate_up: torch.Tensor | QuantW
     n_exp = gate_up.shape[0]
     if n_pairs > TRITON_MAX_PAIRS_PER_EXPERT * n_exp:
         return None
-    if isinstance(gate_up, QuantWeight):  # dequantized in the kernels to x's dtype, at any of the sizes
+    if isinstance(gate_up, QuantWeight):  # dequantized in the kernels to x's dtype (bf16 under fp32)
         ok = gate_up.fmt in ("int4", "fp8") and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        return dispatch.triton("triton_moe", x) if ok else None
+        tm = dispatch.triton("triton_moe", x) if ok else None
+        # fp32 activations (three MMAs a step) on the denoise tiles only, as for bf16 weights
+        return None if tm is None or (x.dtype == torch.float32 and not tm.few_pairs(n_pairs, n_exp)) else tm
     if (x.dtype, gate_up.dtype) not in _TRITON_MOE_DTYPES:
         return None
     tm = dispatch.triton("triton_moe", x)

@@ -108,18 +108,9 @@ CONFIGS["q_prefill_swap_tma"] = MoeConfig(
     dataclasses.replace(CONFIGS["prefill"].gate_up, swap_ab=True),
     dataclasses.replace(CONFIGS["prefill"].down, swap_ab=True),
 )
-# fp32 activations multiply on the CUDA cores (IEEE fp32 dots): their operands live in registers, which spill
-# past 32 inputs a step
-_Q_FP32 = Tiles(block_m=32, block_n=64, block_k=32, num_stages=3, m_slots=2, swap_ab=True)
-CONFIGS["q_fp32"] = MoeConfig(_Q_FP32, dataclasses.replace(_Q_FP32, cols_fast=True))
-CONFIGS["q_fp32_m64"] = MoeConfig(
-    dataclasses.replace(_Q_FP32, block_m=64, num_warps=8, m_slots=4),
-    dataclasses.replace(_Q_FP32, block_m=64, num_warps=8, m_slots=4, cols_fast=True),
-)
-# The quantized tiles by format: a denoise step's, a prefill chunk's, fp32 activations' (`config_for`)
+# The quantized tiles by format: a denoise step's (fp32 activations' too), a prefill chunk's (`config_for`)
 QUANT_CONFIG = {"int4": "q_m32_k64_tma", "fp8": "q_m32_k64_tma"}
 QUANT_PREFILL_CONFIG = {"int4": "q_prefill_swap_tma", "fp8": "q_prefill_swap_tma"}
-QUANT_FP32_CONFIG = {"denoise": "q_fp32", "prefill": "q_fp32_m64"}
 # What `bench/moe_kernels.py --quant` times
 QUANT_CANDIDATES = [name for name in CONFIGS if name.startswith("q_")]
 
@@ -134,11 +125,12 @@ def config_for(
 ) -> MoeConfig:
     """The tiles for n_pairs (row, expert) pairs over n_exp experts: DEFAULT_CONFIG for a denoise step's few
     pairs an expert (SPLIT3_CONFIG for fp32 activations), "prefill" for more; for quantized experts (fmt
-    "int4", "fp8") QUANT_CONFIG[fmt] and QUANT_PREFILL_CONFIG[fmt], QUANT_FP32_CONFIG under fp32 activations."""
-    if fmt is not None:
-        few = few_pairs(n_pairs, n_exp)
-        if fp32:
-            return CONFIGS[QUANT_FP32_CONFIG["denoise" if few else "prefill"]]
+    "int4", "fp8") QUANT_CONFIG[fmt] and QUANT_PREFILL_CONFIG[fmt], QUANT_CONFIG[fmt] under fp32 activations."""
+    if (
+        fmt is not None
+    ):  # fp32 activations on the denoise tiles: 0.75 ms int4, 0.56 fp8 at 256 rows, SPLIT3_CONFIG
+        # 1.13 and 0.82 (docs/performance.md, "Quantized weights")
+        few = few_pairs(n_pairs, n_exp) or fp32
         return CONFIGS[(QUANT_CONFIG if few else QUANT_PREFILL_CONFIG)[fmt]]
     if not few_pairs(n_pairs, n_exp):
         return CONFIGS["prefill"]

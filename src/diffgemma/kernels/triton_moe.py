@@ -24,8 +24,10 @@ and read back.) H and I are compile-time constants (one compile per model shape)
 Quantized experts (a `QuantWeight` of fmt "int4" or "fp8", weight-only): the same kernels with the weight format
 a constexpr (WFMT). Each weight tile is loaded packed (through TMA where the tiles ask for it and the rows allow,
 its scales and zero points by masked loads), dequantized in fp32 in registers exactly as `formats.decode` does,
-rounded to the activations' dtype and multiplied as a plain weight is; under fp32 activations the fp32 tile goes to
-an IEEE fp32 dot, so the result is the fp32 reference's to rounding.
+rounded to the activations' dtype and multiplied as a plain weight is. Under fp32 activations the tile is rounded to
+bf16 and takes the three-MMA split of bf16 weights (`_mma`): x to fp32 grade on `decode(fmt, parts, bf16)`, whose
+rounding is far below the format's own error, on the tensor cores (IEEE fp32 dots on the CUDA cores measured
+6.0 ms a layer at 256 rows: docs/performance.md, "Quantized weights").
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ from diffgemma.kernels.moe_tiles import (  # noqa: F401 - the tile table, also r
     DENOISE_MAX_PAIRS_PER_EXPERT,
     QUANT_CANDIDATES,
     QUANT_CONFIG,
-    QUANT_FP32_CONFIG,
     QUANT_PREFILL_CONFIG,
     SPLIT3_CONFIG,
     MoeConfig,
@@ -69,20 +70,12 @@ def _gelu_tanh(g):
 
 
 @triton.jit
-def _dot(a, w, acc, SWAP_AB: tl.constexpr, UPCAST_DOT: tl.constexpr, IEEE: tl.constexpr = False):
-    """acc += a [M, K] @ w [N, K].T, acc laid out [N, M] when SWAP_AB. IEEE: fp32 operands multiplied in fp32
-    (not tf32), as the fp32 reference does."""
+def _dot(a, w, acc, SWAP_AB: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """acc += a [M, K] @ w [N, K].T, acc laid out [N, M] when SWAP_AB."""
     if UPCAST_DOT:
         a = a.to(tl.float32)
         w = w.to(tl.float32)
-    if IEEE:
-        if SWAP_AB:
-            acc = tl.dot(w, tl.trans(a), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(w, tl.trans(a), acc) if SWAP_AB else tl.dot(a, tl.trans(w), acc)
-    return acc
+    return tl.dot(w, tl.trans(a), acc) if SWAP_AB else tl.dot(a, tl.trans(w), acc)
 
 
 @triton.jit
@@ -93,7 +86,6 @@ def _mma(
     SWAP_AB: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     SPLIT3: tl.constexpr,
-    IEEE: tl.constexpr = False,
 ):
     """acc += a @ w.T (`_dot`). SPLIT3: a is fp32 and w bf16; a is cut into three bf16 parts,
     a = hi + mid + lo to within 2^-24 relative (each part holds the next 8 bits of the remainder), and each part
@@ -108,7 +100,7 @@ def _mma(
         acc = _dot(mid, w, acc, SWAP_AB, UPCAST_DOT)
         acc = _dot(hi, w, acc, SWAP_AB, UPCAST_DOT)
     else:  # one return: code after a constexpr branch's return is still compiled
-        acc = _dot(a, w, acc, SWAP_AB, UPCAST_DOT, IEEE)
+        acc = _dot(a, w, acc, SWAP_AB, UPCAST_DOT)
     return acc
 
 
@@ -205,7 +197,6 @@ def _gate_up_kernel(
     stride_zr=0,
     stride_zg=0,
     WFMT: tl.constexpr = _PLAIN,
-    IEEE: tl.constexpr = False,
 ):
     pdl.start(PDL)
     slot_id = tl.program_id(1) if COLS_FAST else tl.program_id(0)
@@ -227,6 +218,7 @@ def _gate_up_kernel(
         s_e = ws_ptr + e.to(tl.int64) * stride_se
         z_e = wz_ptr + e.to(tl.int64) * stride_ze if WFMT == _INT4 else wz_ptr
     adt = act_ptr.dtype.element_ty  # x's dtype: where the grouped path rounds
+    wdt = tl.bfloat16 if SPLIT3 else adt  # a quantized tile's dtype: bf16 under the fp32 split
     acc_shape: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N)
     m0 = start + (slot_id % M_SLOTS) * BLOCK_M
     while m0 < end:  # not range(start, end, ..): the interpreter cannot index with loaded scalars
@@ -261,14 +253,14 @@ def _gate_up_kernel(
             if WFMT != _PLAIN:
                 wg = _dequant(
                     wg, s_e, z_e, cols, col_ok, k0, H, stride_sr, stride_sg, stride_zr, stride_zg, BLOCK_N,
-                    BLOCK_K, WFMT, adt,
+                    BLOCK_K, WFMT, wdt,
                 )  # fmt: skip
                 wu = _dequant(
                     wu, s_e, z_e, cols + INTER, col_ok, k0, H, stride_sr, stride_sg, stride_zr, stride_zg,
-                    BLOCK_N, BLOCK_K, WFMT, adt,
+                    BLOCK_N, BLOCK_K, WFMT, wdt,
                 )  # fmt: skip
-            acc_g = _mma(xs, wg, acc_g, SWAP_AB, UPCAST_DOT, SPLIT3, IEEE)
-            acc_u = _mma(xs, wu, acc_u, SWAP_AB, UPCAST_DOT, SPLIT3, IEEE)
+            acc_g = _mma(xs, wg, acc_g, SWAP_AB, UPCAST_DOT, SPLIT3)
+            acc_u = _mma(xs, wu, acc_u, SWAP_AB, UPCAST_DOT, SPLIT3)
         if SWAP_AB:
             acc_g = tl.trans(acc_g)
             acc_u = tl.trans(acc_u)
@@ -316,7 +308,6 @@ def _down_kernel(
     stride_zr=0,
     stride_zg=0,
     WFMT: tl.constexpr = _PLAIN,
-    IEEE: tl.constexpr = False,
 ):
     pdl.start(PDL)
     slot_id = tl.program_id(1) if COLS_FAST else tl.program_id(0)
@@ -336,6 +327,7 @@ def _down_kernel(
     if WFMT != _PLAIN:  # expert e's scales and zero points (fp8 has none)
         s_e = ws_ptr + e.to(tl.int64) * stride_se
         z_e = wz_ptr + e.to(tl.int64) * stride_ze if WFMT == _INT4 else wz_ptr
+    wdt = tl.bfloat16 if SPLIT3 else act_ptr.dtype.element_ty  # a quantized tile's dtype (`_gate_up_kernel`)
     acc_shape: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N)
     m0 = start + (slot_id % M_SLOTS) * BLOCK_M
     while m0 < end:  # not range(start, end, ..): the interpreter cannot index with loaded scalars
@@ -361,9 +353,9 @@ def _down_kernel(
             if WFMT != _PLAIN:
                 w = _dequant(
                     w, s_e, z_e, cols, col_ok, k0, INTER, stride_sr, stride_sg, stride_zr, stride_zg, BLOCK_N,
-                    BLOCK_K, WFMT, act_ptr.dtype.element_ty,
+                    BLOCK_K, WFMT, wdt,
                 )  # fmt: skip
-            acc = _mma(a, w, acc, SWAP_AB, UPCAST_DOT, SPLIT3, IEEE)
+            acc = _mma(a, w, acc, SWAP_AB, UPCAST_DOT, SPLIT3)
         if SWAP_AB:
             acc = tl.trans(acc)
         dst = y_ptr + pos[:, None] * stride_yn + cols[None, :] * stride_yh
@@ -380,15 +372,15 @@ def sort_pairs(ids: torch.Tensor, n_exp: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _split3(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> bool:
-    """fp32 activations on bf16 weights (a short prompt's prefill, seed rule 7): `_mma`'s three-way split. A
-    quantized weight's tile is dequantized to x's dtype: never split."""
+    """fp32 activations on bf16 weights (a short prompt's prefill, seed rule 7), or on a quantized weight (its tile
+    rounded to bf16): `_mma`'s three-way split."""
     if isinstance(w, QuantWeight):
         if w.fmt not in _WFMT or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(
                 f"triton_moe takes int4 or fp8 experts under bf16, fp16 or fp32 activations, got {w.fmt} "
                 f"under {x.dtype}"
             )
-        return False
+        return x.dtype == torch.float32
     if x.dtype == w.dtype:
         return False
     if x.dtype == torch.float32 and w.dtype == torch.bfloat16:
@@ -427,7 +419,6 @@ def _quant_args(x: torch.Tensor, w: QuantWeight, tiles: Tiles) -> dict:
             )
         ),
         WFMT=_WFMT[w.fmt],
-        IEEE=x.dtype == torch.float32,  # fp32 products of the fp32 dequantized tile, not tf32
     )
 
 
