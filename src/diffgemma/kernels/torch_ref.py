@@ -138,14 +138,14 @@ def experts_sorted(
     (the combine weights and sums them)."""
     y = x.new_empty(perm.shape[0], x.shape[1])
     edges = bounds.tolist()
-    gate_up, down = dense(gate_up, x.dtype), dense(down, x.dtype)  # a quantized stack: decoded once a call
     for e in range(gate_up.shape[0]):
         a, b = edges[e], edges[e + 1]
         if a == b:
             continue
         rows = F.pad(x[perm[a:b] // k], (0, 0, 0, max(0, EXPERT_MIN_ROWS - (b - a))))
-        gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
-        y[a:b] = F.linear(gelu_tanh(gate) * up, down[e])[: b - a]
+        # a quantized expert decoded on its own: one expert's fp32 copy at a time, never the whole stack's
+        gate, up = F.linear(rows, dense(gate_up[e], x.dtype)).chunk(2, dim=-1)
+        y[a:b] = F.linear(gelu_tanh(gate) * up, dense(down[e], x.dtype))[: b - a]
     return y
 
 
