@@ -17,6 +17,7 @@ from diffgemma.quant import formats, pack, profiles
 from diffgemma.quant.weight import QuantWeight
 from diffgemma.testing import write_tiny_checkpoint
 from diffgemma.weights import loader
+from diffgemma.weights.header import read_header
 from diffgemma.weights.loader import CheckpointError, load_model
 
 QUANTIZABLE_TINY = {"moe_intermediate_size": 32}  # every input dimension a multiple of 32
@@ -156,7 +157,7 @@ def test_quantize_writes_an_aligned_pack(source, tmp_path):
         assert (out / name).read_bytes() == (source / name).read_bytes()
     f = out / "model.safetensors"
     assert pack.misaligned(f) is None
-    header, start = pack.read_header(f)
+    header, start = read_header(f)
     assert start % 64 == 0 and any(n.startswith(pack.PAD_PREFIX) for n in header)
     src = load_file(str(source / "model.safetensors"))
     got = load_file(str(f))

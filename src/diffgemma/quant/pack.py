@@ -1,4 +1,4 @@
-"""Writing a pack (`diffgemma quantize`) and reading a safetensors file's header.
+"""Writing a pack (`diffgemma quantize`), and the pack's alignment rule.
 
 A pack is a checkpoint directory: config.json with a `quantization_config`, the tokenizer and generation files
 copied, and safetensors shards in which every tensor's data starts at a 64-byte-aligned file offset (the seed's
@@ -23,6 +23,7 @@ from safetensors import safe_open
 
 from diffgemma.quant import formats
 from diffgemma.quant.profiles import QuantSpecError, resolve, tensor_class
+from diffgemma.weights.header import read_header
 
 ALIGN = 64
 PAD_PREFIX = "__pad__."
@@ -49,24 +50,6 @@ DTYPES = {
     torch.float64: "F64",
 }
 TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
-
-
-def read_header(path: Path) -> tuple[dict, int]:
-    """A safetensors file's header (tensor name -> dtype, shape, data_offsets) and the file offset its data
-    starts at. Raises ValueError on a file that is not safetensors."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ValueError(f"{path}: too short for a safetensors file")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100 << 20:
-            raise ValueError(f"{path}: header of {n} bytes, not a safetensors file")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: unreadable safetensors header ({e})") from None
-    header.pop("__metadata__", None)
-    return header, 8 + n
 
 
 def misaligned(path: Path) -> str | None:
@@ -153,7 +136,10 @@ def _source_tensors(src: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
 
     out = {}
     for name, path in shard_files(src).items():
-        header, _ = read_header(path)
+        try:
+            header, _ = read_header(path)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
         entry = header[name]
         out[name] = (path, entry["dtype"], tuple(entry["shape"]))
     return out

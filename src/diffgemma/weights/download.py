@@ -12,18 +12,17 @@ blob id (the rest) the hub lists matches.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import struct
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+
+from diffgemma.weights.header import read_header
 
 DEFAULT_REPO = "google/diffusiongemma-26B-A4B-it"
 # Only what the engine reads: configs, tokenizer, template and safetensors (never pickles).
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "chat_template.jinja", "tokenizer*", "*.md"]
 CHUNK = 8 << 20  # bytes hashed at a time: a multi-GB shard is never read in one go
-MAX_HEADER = 100 << 20  # safetensors' own cap; a larger "length" is a corrupt file, not a header
 # bits per element of the safetensors dtypes; a dtype not listed only skips the size-of-data check
 DTYPE_BITS = {
     "BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
@@ -81,21 +80,12 @@ def hub_files(repo: str, revision: str | None = None) -> tuple[str, list[HubFile
 
 def check_safetensors(path: Path) -> str | None:
     """What is wrong with the safetensors file at `path` (header, offsets, length), or None when it is sound."""
+    try:
+        header, start = read_header(path)
+    except ValueError as e:
+        return str(e)
     size = path.stat().st_size
-    if size < 8:
-        return f"{size} bytes, too short for a safetensors file"
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > MAX_HEADER or 8 + n > size:
-            return f"header length {n} does not fit the file's {size} bytes"
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return f"safetensors header is not JSON ({e})"
-    if not isinstance(header, dict):
-        return "safetensors header is not a JSON object"
-    header.pop("__metadata__", None)
-    data = size - 8 - n
+    data = size - start
     spans = []
     for name, entry in header.items():
         try:
@@ -114,7 +104,7 @@ def check_safetensors(path: Path) -> str | None:
         spans.append((begin, end, name))
     need = max((end for _, end, _ in spans), default=0)
     if need != data:  # truncated (or trailing bytes): the last offset end must be where the file ends
-        return f"file is {size} bytes, its header needs {8 + n + need}"
+        return f"file is {size} bytes, its header needs {start + need}"
     pos = 0  # tensors tile the data section with no gap or overlap, as safetensors itself requires
     for begin, end, name in sorted(spans):
         if begin != pos:
