@@ -203,8 +203,7 @@ def _dequantized_copy(model):
     for module in model.modules():
         for attr, value in list(vars(module).items()):
             if isinstance(value, QuantWeight):
-                delattr(module, attr)
-                module.register_parameter(attr, torch.nn.Parameter(value.dequantize(), requires_grad=False))
+                loader.set_weight(module, attr, value.dequantize())
     return model
 
 
@@ -253,7 +252,7 @@ def test_a_misaligned_pack_is_refused_before_any_weight_is_allocated(source, tmp
     bad = pack.misaligned(out / "model.safetensors")
     assert bad is not None
     monkeypatch.setattr(loader, "plan_weights", lambda *a: pytest.fail("the weights were planned"))
-    monkeypatch.setattr(loader, "_set", lambda *a: pytest.fail("a weight was set"))
+    monkeypatch.setattr(loader, "set_weight", lambda *a: pytest.fail("a weight was set"))
     with pytest.raises(CheckpointError, match=rf"tensor {bad.replace('.', '[.]')} .*64-byte-aligned"):
         load_model(out, "cpu", torch.float32)
 

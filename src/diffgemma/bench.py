@@ -404,10 +404,10 @@ def weight_bytes(model: DiffusionGemma) -> int:
 def quantize_weights(model: DiffusionGemma, profile: str, sets: tuple[str, ...] = ()) -> dict[str, Any]:
     """Quantize the model's weights in place on their device, as a pack of this profile would load there
     (formats without a kernel on the device dequantized back, as the loader does). Returns the resolved spec."""
-    from diffgemma.quant.formats import dims_problem
+    from diffgemma.quant.formats import FormatError
     from diffgemma.quant.profiles import resolve
     from diffgemma.quant.weight import QuantWeight
-    from diffgemma.weights.loader import ATTR_CLASSES, checkpoint_names, runs_quantized
+    from diffgemma.weights.loader import ATTR_CLASSES, checkpoint_names, runs_quantized, set_weight
 
     base, fmts, given = resolve(profile, sets)
     for name, module, attr in checkpoint_names(model):
@@ -415,16 +415,12 @@ def quantize_weights(model: DiffusionGemma, profile: str, sets: tuple[str, ...] 
         if fmt == "bf16":
             continue
         w = getattr(module, attr)
-        problem = dims_problem(fmt, tuple(w.shape))
-        if problem:
-            raise ValueError(f"{name} cannot be {fmt}: {problem}")
-        q = QuantWeight.quantize(w, fmt)
-        module._parameters.pop(attr, None)
-        if runs_quantized(w.device, attr, fmt):
-            setattr(module, attr, q)
-        else:
-            setattr(module, attr, torch.nn.Parameter(q.dequantize(w.dtype), requires_grad=False))
-        del w
+        try:
+            q = QuantWeight.quantize(w, fmt)
+        except FormatError as e:
+            raise ValueError(f"{name} cannot be {fmt}: {e}") from None
+        set_weight(module, attr, q if runs_quantized(w.device, attr, fmt) else q.dequantize(w.dtype))
+        del w, q
     for layer in model.layers:
         layer._merged.clear()
     gc.collect()

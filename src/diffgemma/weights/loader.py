@@ -77,8 +77,14 @@ def checkpoint_names(model: DiffusionGemma) -> Iterator[tuple[str, torch.nn.Modu
                 yield f"{DECODER}layers.{i}.{suffix}", layer, attr
 
 
-def _set(module: torch.nn.Module, attr: str, t: torch.Tensor) -> None:
-    setattr(module, attr, torch.nn.Parameter(t, requires_grad=False))
+def set_weight(module: torch.nn.Module, attr: str, w: torch.Tensor | QuantWeight) -> None:
+    """A weight onto its module: a tensor as a frozen Parameter, a QuantWeight as a plain attribute (it is no
+    tensor, and nn.Module refuses a non-Parameter where a Parameter is registered)."""
+    if isinstance(w, QuantWeight):
+        module._parameters.pop(attr, None)
+        setattr(module, attr, w)
+    else:
+        setattr(module, attr, torch.nn.Parameter(w, requires_grad=False))
 
 
 def shard_files(path: Path) -> dict[str, Path]:
@@ -265,14 +271,9 @@ def load_weights(
         for name, owner, attr in checkpoint_names(model):
             fmt = fmts[name]
             if fmt == "bf16":
-                _set(owner, attr, land(name, read(name)))
+                set_weight(owner, attr, land(name, read(name)))
             else:
-                w = land_quant(name, fmt, attr, tuple(getattr(owner, attr).shape))
-                if isinstance(w, QuantWeight):
-                    owner._parameters.pop(attr, None)  # not a Parameter: a plain attribute
-                    setattr(owner, attr, w)
-                else:
-                    _set(owner, attr, w)
+                set_weight(owner, attr, land_quant(name, fmt, attr, tuple(getattr(owner, attr).shape)))
             used.update(name + s for s in ("", *formats.COMPANIONS))
         if dequantized:
             print(
@@ -285,10 +286,10 @@ def load_weights(
                 t = read(name)
                 if t.numel() != 1:
                     raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)}, expected (1,)")
-                _set(layer, "encoder_layer_scalar", land(name, t.reshape(1)))
+                set_weight(layer, "encoder_layer_scalar", land(name, t.reshape(1)))
                 used.add(name)
             else:  # the encoder shares the decoder's weights
-                _set(layer, "encoder_layer_scalar", layer.layer_scalar.detach().clone())
+                set_weight(layer, "encoder_layer_scalar", layer.layer_scalar.detach().clone())
         unknown = [
             n
             for n in infos
