@@ -21,6 +21,7 @@ import torch
 
 from diffgemma.config import ModelConfig, RuntimeConfig, SamplerConfig
 from diffgemma.model.model import DiffusionGemma
+from diffgemma.model.passes import DENOISE
 from diffgemma.runner.devices import set_cpu_threads
 from diffgemma.runner.runner import ModelRunner
 
@@ -438,7 +439,7 @@ def layer_outputs(model: DiffusionGemma, prompt: torch.Tensor, canvas: torch.Ten
 
     def record(*args, **kwargs):
         h, x = real(*args, **kwargs)
-        if args[3].phase == "denoise":
+        if args[3].phase == DENOISE:
             outs.append(h.float())
         return h, x
 

@@ -114,7 +114,7 @@ def experts_grouped(
     """Each sorted pair's expert output [N*k, H], unweighted, in x's dtype: the rows x[perm // k] gathered, then the
     gate_up GEMM, `gelu_mul` (gelu(gate) * up; a compiled region where the caller has one) and the down GEMM, each
     grouped by expert (`offs`: each expert's end in the sorted pairs, int32 [E])."""
-    dt = x.dtype  # quantized experts (no kernel for this call) are dequantized whole: the reference's way
+    dt = x.dtype  # quantized experts (no kernel for this call) are dequantized whole for the grouped GEMMs
     gu = _grouped_mm(x[perm // k], dense(gate_up, dt).transpose(1, 2), offs=offs)  # [N*k, 2I]
     return _grouped_mm(gelu_mul(gu), dense(down, dt).transpose(1, 2), offs=offs)
 

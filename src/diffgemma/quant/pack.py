@@ -63,11 +63,12 @@ def misaligned(path: Path) -> str | None:
 
 @dataclass
 class Entry:
-    """One stored tensor of a shard being written: where it comes from and what it becomes."""
+    """One stored tensor of a shard being written, and the source tensor it is encoded from."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+    source: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -122,27 +123,26 @@ def write_aligned(path: Path, entries: list[Entry], produce: Callable[[Entry], t
 
 @dataclass
 class Plan:
-    """What `quantize` will write: each source tensor's format and the pack's shards of entries."""
+    """What `quantize` will write: each source tensor's format, the pack's shards of entries, its config.json."""
 
     formats: dict[str, str]  # source tensor -> format
     shards: list[list[Entry]]
     sources: dict[str, Path]  # source tensor -> its file
-    quantization_config: dict
+    config: dict
 
 
 def _source_tensors(src: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
-    """Every source tensor's (file, safetensors dtype, shape), from the headers alone."""
+    """Every source tensor's (file, safetensors dtype, shape), from the headers alone (each file's read once)."""
     from diffgemma.weights.loader import shard_files
 
-    out = {}
-    for name, path in shard_files(src).items():
+    files = shard_files(src)
+    headers = {}
+    for path in set(files.values()):
         try:
-            header, _ = read_header(path)
+            headers[path] = read_header(path)[0]
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
-        entry = header[name]
-        out[name] = (path, entry["dtype"], tuple(entry["shape"]))
-    return out
+    return {n: (f, headers[f][n]["dtype"], tuple(headers[f][n]["shape"])) for n, f in files.items()}
 
 
 def plan(src: Path, profile: str, overrides: list[str] | tuple[str, ...] = ()) -> Plan:
@@ -165,17 +165,23 @@ def plan(src: Path, profile: str, overrides: list[str] | tuple[str, ...] = ()) -
         if problem:
             raise QuantSpecError(f"tensor {name} {tuple(shape)} ({cls}) cannot be {fmt}: {problem}")
         fmts[name], sources[name] = fmt, path
-        entries = [Entry(name, TORCH_DTYPES[dtype], shape)] if fmt == "bf16" else []
-        if fmt != "bf16":
-            entries = [Entry(name + s, i.dtype, i.shape) for s, i in formats.layout(fmt, shape).items()]
+        if fmt == "bf16":
+            entries = [Entry(name, TORCH_DTYPES[dtype], shape, name)]
+        else:
+            entries = [Entry(name + s, i.dtype, i.shape, name) for s, i in formats.layout(fmt, shape).items()]
         n = sum(e.nbytes for e in entries)
         if size and size + n > SHARD_BYTES:
             shards.append([])
             size = 0
         shards[-1].extend(entries)
         size += n
-    qc = {"quant_method": "diffgemma", "profile": base, "formats": resolved, "overrides": given}
-    return Plan(fmts, shards, sources, qc)
+    config["quantization_config"] = {
+        "quant_method": "diffgemma",
+        "profile": base,
+        "formats": resolved,
+        "overrides": given,
+    }
+    return Plan(fmts, shards, sources, config)
 
 
 class Progress:
@@ -237,13 +243,11 @@ def quantize(
         def produce(e: Entry) -> torch.Tensor:
             if e.name not in current:  # the first entry of a source tensor: encode it, drop the last one's
                 current.clear()
-                source = next(n for n in (e.name, *_stems(e.name)) if n in p.formats)
-                path = p.sources[source]
+                path = p.sources[e.source]
                 if path not in handles:
                     handles[path] = safe_open(str(path), framework="pt", device="cpu")
-                t = handles[path].get_tensor(source)
-                parts = _encode(t, p.formats[source])
-                current.update({source + s: v for s, v in parts.items()})
+                parts = _encode(handles[path].get_tensor(e.source), p.formats[e.source])
+                current.update({e.source + s: v for s, v in parts.items()})
             progress.step(e.nbytes, e.name)
             return current.pop(e.name)
 
@@ -254,9 +258,7 @@ def quantize(
             total = sum(e.nbytes for shard in p.shards for e in shard)
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        config = json.loads((src / "config.json").read_text())
-        config["quantization_config"] = p.quantization_config
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(p.config, indent=2) + "\n")
         for name in COPIED:
             if (src / name).exists():
                 shutil.copyfile(src / name, tmp / name)
@@ -266,8 +268,3 @@ def quantize(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def _stems(name: str) -> list[str]:
-    """The weight names a stored companion tensor may belong to (`x.weight_scale` -> `x.weight`)."""
-    return [name[: -len(s)] for s in formats.COMPANIONS if name.endswith(s)]
