@@ -155,3 +155,24 @@ def test_pdl_kernels_wait_for_their_predecessor_first(kernel):
     assert "griddepcontrol.launch_dependents" in body
     assert not re.search(r"\b(ld\.global|st\.global|cp\.async|atom)", body[:wait])
     assert "griddepcontrol" not in _moe_ptx(kernel, "bf16", tma=True, pdl=False)
+
+
+def _int4_gate_up_ptx(act: str) -> str:
+    from diffgemma.kernels import triton_moe as tm
+
+    sig = {"x_ptr": f"*{act}", "act_ptr": f"*{act}", "gu_ptr": "*u8", "wz_ptr": "*u8", "ws_ptr": "*bf16"}
+    sig.update(perm_ptr="*i64", bounds_ptr="*i32", TOP_K="i32")
+    strides = ("xn", "xh", "ge", "gr", "gh", "an", "ai", "se", "sr", "sg", "ze", "zr", "zg")
+    sig.update(dict.fromkeys((f"stride_{s}" for s in strides), "i32"))
+    consts = dict(BLOCK_M=32, M_SLOTS=2, BLOCK_N=64, BLOCK_K=64, H=2816, INTER=704, SWAP_AB=True)
+    consts.update(UPCAST_DOT=False, SPLIT3=False, TMA=False, COLS_FAST=False, PDL=False, WFMT=1)
+    return _ptx(tm._gate_up_kernel, sig, consts, {"num_warps": 4, "num_stages": 4})
+
+
+def test_int4_experts_dequantize_in_bf16_pairs_under_bf16():
+    # bf16 activations take the inline-PTX decode (prmt/lop3, bf16x2 FMAs); fp16 ones the fp32 bit trick
+    ptx = _int4_gate_up_ptx("bf16")
+    assert "prmt.b32" in ptx and re.search(r"fma\.rn\.bf16x2", ptx)
+    assert not re.search(r"\bor\.b32\s+%r\d+, %r\d+, 1258291200;", ptx)  # 0x4B000000: the fp32 path's bias
+    fp16 = _int4_gate_up_ptx("fp16")
+    assert not re.search(r"fma\.rn\.bf16x2", fp16) and "1258291200" in fp16

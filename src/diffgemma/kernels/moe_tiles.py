@@ -90,15 +90,15 @@ DENOISE_MAX_PAIRS_PER_EXPERT = 32
 
 # Quantized experts (any config serves them): candidates for `bench/moe_kernels.py --quant`. At a denoise step on
 # the H200 the packed data through TMA (scales by plain loads), 64 inputs a step and the transposed product (the
-# dequantized weights as wgmma's register operand) measured fastest for int4 and fp8 alike (whole call 0.50 ms
+# dequantized weights as wgmma's register operand) measured fastest for int4 and fp8 alike (whole call 0.40 ms
 # int4, 0.35 ms fp8, bf16's default 0.48 ms); 128 or 256 inputs a step, 8 warps, 128 weight rows, pointer loads or
-# the plain product were slower. int4 is bound by its dequantization (twice fp8's values a byte), not by HBM.
+# the plain product were slower. int4 is bound by its decode's issue and latency, not by HBM.
 _Q = Tiles(block_m=32, block_n=64, block_k=64, num_stages=4, m_slots=2, swap_ab=True, tma=True)
 CONFIGS["q_m32_k64_tma"] = MoeConfig(_Q, _Q)
 CONFIGS["q_m32_k128_tma"] = MoeConfig(*[dataclasses.replace(_Q, block_k=128, num_stages=3)] * 2)
 CONFIGS["q_m32_k64"] = MoeConfig(*[dataclasses.replace(_Q, tma=False)] * 2)
 CONFIGS["q_m32_k64_tma_s1"] = MoeConfig(*[dataclasses.replace(_Q, m_slots=1)] * 2)
-# A prefill chunk (4,096 rows): bf16's prefill tiles, transposed, measured fastest (int4 3.0 ms, fp8 2.2 ms; bf16 2.1)
+# A prefill chunk (4,096 rows): bf16's prefill tiles, transposed, measured fastest (int4 2.7 ms, fp8 2.2 ms; bf16 2.1)
 CONFIGS["q_prefill_tma"] = MoeConfig(CONFIGS["prefill"].gate_up, CONFIGS["prefill"].down)
 CONFIGS["q_prefill"] = MoeConfig(
     dataclasses.replace(CONFIGS["prefill"].gate_up, tma=False),
@@ -126,10 +126,9 @@ def config_for(
     """The tiles for n_pairs (row, expert) pairs over n_exp experts: DEFAULT_CONFIG for a denoise step's few
     pairs an expert (SPLIT3_CONFIG for fp32 activations), "prefill" for more; for quantized experts (fmt
     "int4", "fp8") QUANT_CONFIG[fmt] and QUANT_PREFILL_CONFIG[fmt], QUANT_CONFIG[fmt] under fp32 activations."""
-    if (
-        fmt is not None
-    ):  # fp32 activations on the denoise tiles: 0.75 ms int4, 0.56 fp8 at 256 rows, SPLIT3_CONFIG
-        # 1.13 and 0.82 (docs/performance.md, "Quantized weights")
+    if fmt is not None:
+        # fp32 activations on the denoise tiles: 0.68 ms int4, 0.56 fp8 at 256 rows, SPLIT3_CONFIG's 0.95 and 0.82
+        # (docs/performance.md, "Quantized weights")
         few = few_pairs(n_pairs, n_exp) or fp32
         return CONFIGS[(QUANT_CONFIG if few else QUANT_PREFILL_CONFIG)[fmt]]
     if not few_pairs(n_pairs, n_exp):

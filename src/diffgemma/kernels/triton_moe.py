@@ -23,8 +23,9 @@ and read back.) H and I are compile-time constants (one compile per model shape)
 
 Quantized experts (a `QuantWeight` of fmt "int4" or "fp8", weight-only): the same kernels with the weight format
 a constexpr (WFMT). Each weight tile is loaded packed (through TMA where the tiles ask for it and the rows allow,
-its scales and zero points by masked loads), dequantized in fp32 in registers exactly as `formats.decode` does,
-rounded to the activations' dtype and multiplied as a plain weight is. Under fp32 activations the tile is rounded to
+its scales and zero points by masked loads, int4's a step ahead), dequantized in registers exactly as
+`formats.decode` does (int4 under bf16 activations in bf16 pairs by inline PTX, else in fp32), rounded to the
+activations' dtype and multiplied as a plain weight is. Under fp32 activations the tile is rounded to
 bf16 and takes the three-MMA split of bf16 weights (`_mma`): x to fp32 grade on `decode(fmt, parts, bf16)`, whose
 rounding is far below the format's own error, on the tensor cores (IEEE fp32 dots on the CUDA cores measured
 6.0 ms a layer at 256 rows: docs/performance.md, "Quantized weights").
@@ -112,6 +113,25 @@ _FP8 = tl.constexpr(2)
 _WFMT = {"int4": 1, "fp8": 2}
 
 
+# int4 to bf16 in packed registers (4 bytes in, 4 bf16 out a call): bytes b0..b3 spread to two bf16 pairs
+# (prmt), a nibble or'd into 128.0's mantissa is 128 + q exactly (lop3), + -(128 + z) is q - z exactly, and one
+# rounding of (q - z) * s: two bf16x2 FMAs a pair, no int-to-float conversion. Not under the interpreter.
+_ASM = tl.constexpr(not INTERPRET)
+_INT4_PAIR = """
+    prmt.b32 t, $2, 0, {sel};{shift}
+    lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+    fma.rn.bf16x2 t, t, one, {nz};
+    fma.rn.bf16x2 {out}, t, {s}, mz;"""
+_INT4_ASM = (
+    "{{ .reg .b32 t, one, mz; mov.b32 one, 0x3F803F80; mov.b32 mz, 0x80008000;"
+    + _INT4_PAIR.format(sel="0x5150", out="$0", nz="$3", s="$5", shift="{shift}")
+    + _INT4_PAIR.format(sel="0x5352", out="$1", nz="$4", s="$6", shift="{shift}")
+    + " }}"
+)
+_INT4_LO = tl.constexpr(_INT4_ASM.format(shift=""))
+_INT4_HI = tl.constexpr(_INT4_ASM.format(shift="\n    shr.u32 t, t, 4;"))
+
+
 @triton.jit
 def _load_packed(
     q_ptr, rows, row_ok, k0, K: tl.constexpr, stride_qr, stride_qk, BLOCK_N: tl.constexpr,
@@ -131,33 +151,59 @@ def _load_packed(
 
 
 @triton.jit
-def _dequant(
-    raw, s_ptr, z_ptr, rows, row_ok, k0, K: tl.constexpr, stride_sr, stride_sg, stride_zr, stride_zg,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr, dtype: tl.constexpr,
+def _load_groups(
+    s_ptr, z_ptr, rows, row_ok, k0, K: tl.constexpr, stride_sr, stride_sg, stride_zr, stride_zg,
+    BLOCK_K: tl.constexpr, WFMT: tl.constexpr,
 ):  # fmt: skip
-    """A quantized weight tile (`_load_packed`'s, or a TMA load's) with its scales (and zero points) from
-    s_ptr / z_ptr, dequantized in fp32 as `formats.decode` does and rounded to dtype: [BLOCK_N, BLOCK_K]; zeros
-    past K."""
+    """The scales of inputs k0..k0 + BLOCK_K of rows `rows`, and int4's zero points (int32): int4's
+    [BLOCK_N, BLOCK_K / 32] each; fp8's one scale a row [BLOCK_N] for every k0 (its zero points: the scales)."""
     if WFMT == _INT4:
-        # raw: input 2j in byte j's low nibble, 2j + 1 in its high one; a scale and a zero nibble per 32 inputs
         g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         g_mask = row_ok[:, None] if K % BLOCK_K == 0 else row_ok[:, None] & (g < K // 32)[None, :]
         s = tl.load(s_ptr + rows[:, None] * stride_sr + g[None, :] * stride_sg, mask=g_mask, other=0.0)
         zb = tl.load(z_ptr + rows[:, None] * stride_zr + (g // 2)[None, :] * stride_zg, mask=g_mask, other=0)
-        # nibbles to fp32 by their bits: 0x4B000000 | v is 2^23 + v exactly, and (2^23 + q) - (2^23 + z) is q - z
-        # exactly (int-to-float conversions run at a quarter of the fp32 rate)
+        z = (zb.to(tl.int32) >> ((g % 2) * 4)[None, :]) & 15
+    else:
+        s = tl.load(s_ptr + rows * stride_sr, mask=row_ok, other=0.0)
+        z = s
+    return s, z
+
+
+@triton.jit
+def _dequant(
+    raw, s, z, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr, dtype: tl.constexpr
+):
+    """A quantized weight tile (`_load_packed`'s, or a TMA load's) with its scales and zero points
+    (`_load_groups`'), dequantized as `formats.decode` does and rounded to dtype: [BLOCK_N, BLOCK_K]."""
+    if WFMT == _INT4 and _ASM and dtype == tl.bfloat16:  # in bf16 pairs, one rounding (`_INT4_LO`)
+        G: tl.constexpr = BLOCK_K // 32
+        nz = (z | 0xC300).to(tl.int16).to(tl.bfloat16, bitcast=True)  # -(128 + z), exactly
+        nz3 = tl.broadcast_to(nz[:, :, None], (BLOCK_N, G, 16))
+        s3 = tl.broadcast_to(s[:, :, None], (BLOCK_N, G, 16))
+        raw3 = tl.reshape(raw, (BLOCK_N, G, 16))
+        lo = tl.inline_asm_elementwise(_INT4_LO, "=r,=r,r,r,r,r,r", [raw3, nz3, s3], tl.bfloat16, True, 4)
+        hi = tl.inline_asm_elementwise(_INT4_HI, "=r,=r,r,r,r,r,r", [raw3, nz3, s3], tl.bfloat16, True, 4)
+        w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+    elif WFMT == _INT4:
+        # raw: input 2j in byte j's low nibble, 2j + 1 in its high one; a scale and a zero nibble per 32 inputs.
+        # Nibbles to fp32 by their bits: 0x4B000000 | v is 2^23 + v exactly, and (2^23 + q) - (2^23 + z) is
+        # q - z exactly (int-to-float conversions run at a quarter of the fp32 rate)
         pi = raw.to(tl.int32)
         lo = ((pi & 15) | 0x4B000000).to(tl.float32, bitcast=True)
         hi = ((pi >> 4) | 0x4B000000).to(tl.float32, bitcast=True)
-        zi = (zb.to(tl.int32) >> ((g % 2) * 4)[None, :]) & 15
-        zf = (zi | 0x4B000000).to(tl.float32, bitcast=True)
+        zf = (z | 0x4B000000).to(tl.float32, bitcast=True)
         q = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K // 32, 32))
         w = (q - zf[:, :, None]) * s.to(tl.float32)[:, :, None]
         w = tl.reshape(w, (BLOCK_N, BLOCK_K))
     else:  # fp8 e4m3, one fp32 scale a row
-        s = tl.load(s_ptr + rows * stride_sr, mask=row_ok, other=0.0)
         w = raw.to(tl.float32) * s[:, None]
     return w.to(dtype)
+
+
+@triton.jit
+def _k_mask(row_ok, k0, ks, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows row_ok of inputs k0 + ks, those past K masked off."""
+    return row_ok[:, None] if K % BLOCK_K == 0 else row_ok[:, None] & ((k0 + ks) < K)[None, :]
 
 
 @triton.jit
@@ -228,15 +274,21 @@ def _gate_up_kernel(
         x_tile = x_ptr + rows[:, None] * stride_xn + ks[None, :] * stride_xh
         acc_g = tl.zeros(acc_shape, dtype=tl.float32)
         acc_u = tl.zeros(acc_shape, dtype=tl.float32)
+        # int4's scales and zero points are loaded a step ahead, their latency behind this step's work (the
+        # weights' TMA loads are pipelined by the compiler; x ahead too was slower): docs/performance.md,
+        # "Quantized weights"
+        if WFMT != _PLAIN:
+            sg, zg = _load_groups(
+                s_e, z_e, cols, col_ok, 0, H, stride_sr, stride_sg, stride_zr, stride_zg, BLOCK_K, WFMT
+            )
+            su, zu = _load_groups(
+                s_e, z_e, cols + INTER, col_ok, 0, H, stride_sr, stride_sg, stride_zr, stride_zg, BLOCK_K, WFMT
+            )  # fmt: skip
         for k0 in range(0, H, BLOCK_K):
-            if H % BLOCK_K == 0:
-                x_mask = row_ok[:, None]
-                w_mask = col_ok[:, None]
-            else:
-                k_ok = (k0 + ks) < H
-                x_mask = row_ok[:, None] & k_ok[None, :]
-                w_mask = col_ok[:, None] & k_ok[None, :]
-            xs = tl.load(x_tile + k0 * stride_xh, mask=x_mask, other=0.0).to(adt)
+            # the next step's inputs (the last re-reads its own)
+            k1 = tl.where(k0 + BLOCK_K < H, k0 + BLOCK_K, k0)
+            xs = tl.load(x_tile + k0 * stride_xh, mask=_k_mask(row_ok, k0, ks, H, BLOCK_K), other=0.0).to(adt)
+            w_mask = _k_mask(col_ok, k0, ks, H, BLOCK_K)
             # rows past INTER (a partial column block) read the next rows: their columns are not stored
             if TMA:  # a quantized weight's packed bytes: int4 holds two inputs a byte
                 kq = k0 // 2 if WFMT == _INT4 else k0
@@ -250,15 +302,19 @@ def _gate_up_kernel(
                 wu = _load_packed(
                     q_e, cols + INTER, col_ok, k0, H, stride_gr, stride_gh, BLOCK_N, BLOCK_K, WFMT
                 )
+            if WFMT == _INT4:  # the next step's groups (fp8's scales are the rows': loaded once)
+                sg_next, zg_next = _load_groups(
+                    s_e, z_e, cols, col_ok, k1, H, stride_sr, stride_sg, stride_zr, stride_zg, BLOCK_K, WFMT
+                )
+                su_next, zu_next = _load_groups(
+                    s_e, z_e, cols + INTER, col_ok, k1, H, stride_sr, stride_sg, stride_zr, stride_zg, BLOCK_K,
+                    WFMT,
+                )  # fmt: skip
             if WFMT != _PLAIN:
-                wg = _dequant(
-                    wg, s_e, z_e, cols, col_ok, k0, H, stride_sr, stride_sg, stride_zr, stride_zg, BLOCK_N,
-                    BLOCK_K, WFMT, wdt,
-                )  # fmt: skip
-                wu = _dequant(
-                    wu, s_e, z_e, cols + INTER, col_ok, k0, H, stride_sr, stride_sg, stride_zr, stride_zg,
-                    BLOCK_N, BLOCK_K, WFMT, wdt,
-                )  # fmt: skip
+                wg = _dequant(wg, sg, zg, BLOCK_N, BLOCK_K, WFMT, wdt)
+                wu = _dequant(wu, su, zu, BLOCK_N, BLOCK_K, WFMT, wdt)
+            if WFMT == _INT4:
+                sg, zg, su, zu = sg_next, zg_next, su_next, zu_next
             acc_g = _mma(xs, wg, acc_g, SWAP_AB, UPCAST_DOT, SPLIT3)
             acc_u = _mma(xs, wu, acc_u, SWAP_AB, UPCAST_DOT, SPLIT3)
         if SWAP_AB:
@@ -335,26 +391,38 @@ def _down_kernel(
         row_ok = pos < end
         a_tile = act_ptr + pos[:, None] * stride_an + ks[None, :] * stride_ai
         acc = tl.zeros(acc_shape, dtype=tl.float32)
+        if WFMT != _PLAIN:
+            s, z = _load_groups(
+                s_e, z_e, cols, col_ok, 0, INTER, stride_sr, stride_sg, stride_zr, stride_zg, BLOCK_K, WFMT
+            )
         for k0 in range(0, INTER, BLOCK_K):
-            if INTER % BLOCK_K == 0:
-                a_mask = row_ok[:, None]
-                w_mask = col_ok[:, None]
-            else:
-                k_ok = (k0 + ks) < INTER
-                a_mask = row_ok[:, None] & k_ok[None, :]
-                w_mask = col_ok[:, None] & k_ok[None, :]
-            a = tl.load(a_tile + k0 * stride_ai, mask=a_mask, other=0.0)
+            k1 = tl.where(k0 + BLOCK_K < INTER, k0 + BLOCK_K, k0)
+            a = tl.load(a_tile + k0 * stride_ai, mask=_k_mask(row_ok, k0, ks, INTER, BLOCK_K), other=0.0)
             if TMA:  # a quantized weight's packed bytes: int4 holds two inputs a byte
                 w = dn_ptr.load([row0, k0 // 2 if WFMT == _INT4 else k0])
             elif WFMT == _PLAIN:
-                w = tl.load(w_tile + k0 * stride_di, mask=w_mask, other=0.0)
+                w = tl.load(w_tile + k0 * stride_di, mask=_k_mask(col_ok, k0, ks, INTER, BLOCK_K), other=0.0)
             else:
                 w = _load_packed(q_e, cols, col_ok, k0, INTER, stride_dh, stride_di, BLOCK_N, BLOCK_K, WFMT)
+            if WFMT == _INT4:
+                s_next, z_next = _load_groups(
+                    s_e,
+                    z_e,
+                    cols,
+                    col_ok,
+                    k1,
+                    INTER,
+                    stride_sr,
+                    stride_sg,
+                    stride_zr,
+                    stride_zg,
+                    BLOCK_K,
+                    WFMT,
+                )
             if WFMT != _PLAIN:
-                w = _dequant(
-                    w, s_e, z_e, cols, col_ok, k0, INTER, stride_sr, stride_sg, stride_zr, stride_zg, BLOCK_N,
-                    BLOCK_K, WFMT, wdt,
-                )  # fmt: skip
+                w = _dequant(w, s, z, BLOCK_N, BLOCK_K, WFMT, wdt)
+            if WFMT == _INT4:
+                s, z = s_next, z_next
             acc = _mma(a, w, acc, SWAP_AB, UPCAST_DOT, SPLIT3)
         if SWAP_AB:
             acc = tl.trans(acc)

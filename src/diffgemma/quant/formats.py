@@ -18,6 +18,9 @@ NVFP4_BLOCK = 16
 FP8_MAX = 448.0  # float8_e4m3fn
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 LEVELS = {"int4": 15, "q5": 31, "q6": 63}
+# int4's scale is bf16 so that the GPU decodes in bf16 and rounds once, exactly as `decode` does (one bf16 product
+# of q - z and the scale, docs/performance.md, "Quantized weights"); q5 / q6 keep fp16's three more bits
+SCALE_DTYPE = {"int4": torch.bfloat16, "q5": torch.float16, "q6": torch.float16}
 HIGH_PER_BYTE = {"q5": 8, "q6": 4}  # bits above the low nibble: 1 (q5) or 2 (q6) a value
 COMPANIONS = ("_scale", "_zero", "_high", "_scale_2")
 
@@ -75,9 +78,8 @@ def _encode_affine(x: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
     g = x.unflatten(-1, (-1, GROUP))  # [..., N, G, 32]
     lo = g.amin(-1).clamp_max(0.0)
     hi = g.amax(-1).clamp_min(0.0)
-    scale = (
-        ((hi - lo) / levels).clamp_min(2.0**-24).to(torch.float16)
-    )  # rounded first: q uses the stored scale
+    # rounded first: q uses the stored scale
+    scale = ((hi - lo) / levels).clamp_min(2.0**-24).to(SCALE_DTYPE[fmt])
     s = scale.float()
     zero = torch.round(-lo / s).clamp(0, levels)
     q = (torch.round(g / s[..., None]) + zero[..., None]).clamp(0, levels).to(torch.uint8).flatten(-2)
@@ -188,7 +190,7 @@ def layout(fmt: str, shape: tuple[int, ...]) -> dict[str, TensorInfo]:
     groups = k // GROUP
     out = {
         "": TensorInfo(torch.uint8, (*lead, n, k // 2)),
-        "_scale": TensorInfo(torch.float16, (*lead, n, groups)),
+        "_scale": TensorInfo(SCALE_DTYPE[fmt], (*lead, n, groups)),
     }
     if fmt == "int4":
         out["_zero"] = TensorInfo(torch.uint8, (*lead, n, (groups + 1) // 2))
@@ -264,5 +266,6 @@ def error_bound(fmt: str, w: torch.Tensor) -> torch.Tensor:
     levels = LEVELS[fmt]
     g = x.unflatten(-1, (-1, GROUP))
     s = (g.amax(-1, keepdim=True).clamp_min(0) - g.amin(-1, keepdim=True).clamp_max(0)) / levels
-    # half a level, plus the fp16 rounding of the scale (2^-11 relative) over as many as `levels` levels
-    return (s * (0.5 + levels * 2.0**-11) * 1.001 + 2.0**-24).expand_as(g).flatten(-2)
+    # half a level, plus the scale's rounding (half its ulp, relative) over as many as `levels` levels
+    rounding = 2.0**-8 if fmt == "int4" else 2.0**-11
+    return (s * (0.5 + levels * rounding) * 1.001 + 2.0**-24).expand_as(g).flatten(-2)
