@@ -1,6 +1,6 @@
-"""The `diffgemma` command line (typer): ask, chat, prompt, serve, download, quantize, bench, train, eval.
+"""The `diffgemma` command line (typer): ask, chat, prompt, serve, replay, download, quantize, bench, train, eval.
 
-Longer than 600 lines on purpose: each command's typer signature is its `--help`, and the nine of them are kept
+Longer than 600 lines on purpose: each command's typer signature is its `--help`, and the ten of them are kept
 in one file as the command line's one reference; the work each command does lives in its own module."""
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ DTYPE = typer.Option(None, "--dtype", help="float32, bfloat16, float16 (default:
 THREADS = typer.Option(
     None, "--threads", help="CPU threads (default: 1 for a small model such as the demo, else all cores)."
 )
+OPLOG = typer.Option(None, "--log", help="Append every op and event to this JSONL file (diffgemma replay).")
 # click's exceptions, wherever this typer takes click from (recent ones vendor it)
 _USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 _NO_ARGS_IS_HELP = getattr(sys.modules[_USAGE_ERROR.__module__], "NoArgsIsHelpError", ())
@@ -254,8 +255,10 @@ def ask(
     device: str | None = DEVICE,
     dtype: str | None = DTYPE,
     threads: int | None = THREADS,
+    log: Path | None = OPLOG,
 ) -> None:
     """Answer one prompt, streaming the reply as blocks commit."""
+    from diffgemma.session.client import Session
 
     with one_line_errors():
         text = sys.stdin.read() if prompt == "-" else prompt
@@ -264,7 +267,10 @@ def ask(
         # one reply: compiling would cost more than it saves (docs/performance.md, "torch.compile and warm-up")
         engine = load_engine(model, device, dtype, ctx, threads, compile=False)
         ids = _prompt_ids(engine, text, raw, think)
-        out, wall = stream_reply(engine, engine.generate, ids, json_out, max_new_tokens=max_tokens, seed=seed)
+        session = Session(engine, log=log)
+        out, wall = stream_reply(
+            engine, session.generate, ids, json_out, max_new_tokens=max_tokens, seed=seed
+        )
         if json_out:
             print(json.dumps(result_json(out, wall, model=str(engine.path), seed=seed)))
         _stderr(summary(out, wall))
@@ -284,15 +290,16 @@ def chat(
     device: str | None = DEVICE,
     dtype: str | None = DTYPE,
     threads: int | None = THREADS,
+    log: Path | None = OPLOG,
 ) -> None:
     """Interactive chat with history; only each new turn is prefilled (the KV cache is reused)."""
-    from diffgemma.session import Conversation
+    from diffgemma.session.client import Session
 
     with one_line_errors():
         engine = load_engine(model, device, dtype, ctx, threads)
         if engine.tokenizer is None:
             raise CliError(f"{engine.path} has no tokenizer.json")
-        conv = Conversation(engine)
+        conv = Session(engine, log=log)
         messages: list[dict[str, Any]] = []
         tty = sys.stdin.isatty()
         warm = None
@@ -424,6 +431,39 @@ def serve(
             dtype=dtype,
             threads=threads,
         )
+
+
+@app.command()
+def replay(
+    log: Path = typer.Argument(
+        ..., help="An op log (ask/chat --log FILE, serve --log-dir DIR: DIR/ops.jsonl)."
+    ),
+    model: str | None = typer.Option(None, "-m", "--model", help="Model (default: the one the log names)."),
+    device: str | None = typer.Option(None, "--device", help="Default: the log's."),
+    dtype: str | None = typer.Option(None, "--dtype", help="Default: the log's."),
+    threads: int | None = THREADS,
+) -> None:
+    """Re-execute a logged session and compare every event: exit 0 when identical, 1 at the first difference."""
+    import diffgemma
+    from diffgemma.config import load_runtime_config
+    from diffgemma.session.oplog import read_log
+    from diffgemma.session.oplog import replay as replay_log
+    from diffgemma.weights.download import resolve_model
+
+    with one_line_errors():
+        if not log.is_file():
+            raise CliError(f"{log}: no such log", 2)
+        sessions = read_log(log)
+        first = sessions[0].header
+        path = resolve_model(model or first.get("model"))
+        runtime = load_runtime_config(
+            device=device or first.get("device"), dtype=dtype or first.get("dtype"), threads=threads
+        )
+        engine = diffgemma.load(path, max_tokens=first.get("ctx"), runtime=runtime)
+        same, line = replay_log(log, engine)
+        print(line)
+        if not same:
+            raise typer.Exit(1)
 
 
 @app.command()

@@ -19,7 +19,7 @@ from diffgemma.config import (
     load_runtime_config,
     load_sampler_config,
 )
-from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo, generate
+from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo, Turn, drive
 from diffgemma.model.kv_cache import KVCache
 from diffgemma.model.model import DiffusionGemma
 from diffgemma.runner.devices import device_and_dtype, set_cpu_threads
@@ -127,21 +127,34 @@ class Engine:
         cfg = sampler or self.sampler
         if sampler_overrides:
             cfg = dataclasses.replace(cfg, **sampler_overrides).validated()
-        max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
         if kv is None:
+            max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
             kv = self._one_shot_cache(len(prompt_ids) + max_new + self.config.canvas_length)
-        elif kv.length + len(prompt_ids) >= kv.max_tokens:
+        turn = self.turn(prompt_ids, kv, cfg, seed, max_new_tokens, logprobs)
+        on_commit = None if on_block is None else lambda _turn, kept: on_block(kept)
+        return self.parse(drive(turn, on_step, cancel, on_commit))
+
+    def turn(
+        self,
+        prompt_ids: list[int],
+        kv: KVCache,
+        cfg: SamplerConfig | None = None,
+        seed: int = 42,
+        max_new_tokens: int | None = None,
+        logprobs: int | None = None,
+    ) -> Turn:
+        """A reply to open after `kv` (`Turn`), prompt_ids prefilled first; refuses a prompt that does not fit."""
+        cfg = cfg or self.sampler
+        if kv.length + len(prompt_ids) >= kv.max_tokens:
             raise ValueError(
                 f"prompt of {len(prompt_ids)} tokens does not fit the context ({kv.length}/{kv.max_tokens} used)"
             )
         if not prompt_ids and kv.length == 0:
             raise ValueError("empty prompt: there is nothing to condition on")
+        max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
         # Like any engine with a fixed context: the reply stops at the context's end ("length").
         max_new = min(max_new, kv.max_tokens - kv.length - len(prompt_ids))
-        out = generate(
-            self.runner, list(prompt_ids), kv, cfg, seed, max_new, on_step, on_block, cancel, logprobs
-        )
-        return self.parse(out)
+        return Turn(self.runner, list(prompt_ids), kv, cfg, seed, max_new, logprobs)
 
 
 def load(

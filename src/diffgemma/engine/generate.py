@@ -180,7 +180,8 @@ def confidence_cut(tokens: list[int], p_max: list[float], tau: float, stop_ids: 
     return len(tokens)
 
 
-def _prefill(model: ModelRunner, ids: list[int], kv: KVCache, cfg: SamplerConfig) -> None:
+def prefill(model: ModelRunner, ids: list[int], kv: KVCache, cfg: SamplerConfig) -> None:
+    """Extend `kv` by ids under seed rule 7 (a whole prompt into an empty cache in fp32)."""
     if not ids:
         return
     t = torch.tensor([ids], dtype=torch.long)
@@ -188,6 +189,183 @@ def _prefill(model: ModelRunner, ids: list[int], kv: KVCache, cfg: SamplerConfig
     # activations; what extends a cache (a later turn, a committed block) takes the model-dtype path.
     f32 = kv.length == 0 and 0 < len(ids) <= cfg.prefill_f32_max_tokens and model.dtype != torch.float32
     model.prefill(t, kv, compute_dtype=torch.float32 if f32 else None)
+
+
+@dataclass
+class Proposal:
+    """A denoised canvas not yet committed (`Turn.propose`): the block's final argmax, its confidences and the steps
+    it took; `stop_at`, the first stop token's row (None without one)."""
+
+    block: int
+    retry: int
+    tokens: list[int]
+    p_max: list[float]
+    steps: int
+    stop_at: int | None
+    logprobs: list[TokenLogprob] | None = None
+
+
+class Turn:
+    """One reply generated block by block: the per-block protocol under `generate` (seed Part III, the token
+    pipeline). `propose` prefills what the last commit left pending and denoises the next canvas (reading the cache,
+    never writing it); `commit(kept_len)` takes the proposal's first kept_len tokens; `discard` re-rolls it (the
+    next retry's seed, half the canvas: seed §9 #10). A commit ends the turn when the token after the kept ones is a
+    stop token ("stop"), or when the budget or the block limit is used up ("length"); a commit cut before a stop
+    token (the confidence trim) leaves the rest to the next block. `out` is the reply so far.
+
+    Between calls `kv` holds the prompt and every committed block but the last (which the caller prefills with
+    whatever follows it), so a turn stopped anywhere leaves the cache consistent."""
+
+    def __init__(
+        self,
+        model: ModelRunner,
+        prompt_ids: list[int],
+        kv: KVCache,
+        cfg: SamplerConfig,
+        seed: int = 42,
+        max_new_tokens: int | None = None,
+        logprobs: int | None = None,
+    ):
+        max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if max_new <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {max_new}")
+        self.model, self.kv, self.cfg, self.seed, self.max_new, self.logprobs = (
+            model, kv, cfg, seed, max_new, logprobs
+        )  # fmt: skip
+        self.stop_ids = set(cfg.stop_token_ids)
+        canvas_len = model.cfg.canvas_length
+        self.max_blocks = -(-max_new // canvas_len) * (2 if cfg.commit_conf_trim > 0 else 1)  # trim headroom
+        self.out = GenerateOutput(token_ids=[], prompt_tokens=len(prompt_ids))
+        self.block = 0
+        self.retry = 0
+        self.length = self._canvas_length()
+        self.pending: list[int] = []  # committed, not yet prefilled
+        self.done = False
+        self.proposal: Proposal | None = None
+        t0 = time.perf_counter()
+        prefill(model, list(prompt_ids), kv, cfg)
+        _sync(model)
+        self.out.prefill_seconds += time.perf_counter() - t0
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new - len(self.out.token_ids)
+
+    def _canvas_length(self) -> int:
+        canvas_len = self.model.cfg.canvas_length
+        return min(canvas_len, max(self.remaining, MIN_CANVAS)) if self.cfg.canvas_shrink else canvas_len
+
+    def propose(
+        self, on_step: Callable[[StepInfo], None] | None = None, cancel: CancelToken | None = None
+    ) -> Proposal | None:
+        """Denoise the next canvas; None (and the turn ends "cancelled") if `cancel` fires first."""
+        if self.done or self.proposal is not None:
+            raise RuntimeError("propose needs an open turn without a proposal pending")
+        out = self.out
+        t0 = time.perf_counter()
+        if self.pending:
+            prefill(self.model, self.pending, self.kv, self.cfg)
+            self.pending = []
+            _sync(self.model)
+            out.prefill_seconds += time.perf_counter() - t0
+            t0 = time.perf_counter()
+        res = denoise_block(
+            self.model,
+            self.kv,
+            self.cfg,
+            block_seed(self.seed, self.block, self.retry),
+            self.length,
+            on_step,
+            cancel,
+            self.block,
+            self.logprobs,
+        )
+        out.denoise_seconds += time.perf_counter() - t0
+        if res is None:
+            self.done = True
+            out.finish_reason = "cancelled"
+            out.cached_tokens = len(out.token_ids)
+            return None
+        out.steps += res.steps
+        out.block_steps.append(res.steps)
+        stop_at = next((i for i, t in enumerate(res.tokens) if t in self.stop_ids), None)
+        self.proposal = Proposal(
+            self.block, self.retry, res.tokens, res.p_max, res.steps, stop_at, res.logprobs
+        )
+        return self.proposal
+
+    def discard(self) -> None:
+        """Drop the proposal and re-roll the block: the next retry's seed, half the canvas (not below MIN_CANVAS)."""
+        self._pending_proposal()
+        self.proposal = None
+        self.retry += 1
+        self.out.retries += 1
+        self.length = max(MIN_CANVAS, self.length // 2) if self.length > MIN_CANVAS else self.length
+
+    def commit(self, kept_len: int) -> list[int]:
+        """Take the proposal's first kept_len tokens (at most the budget left) into the reply; returns them."""
+        prop = self._pending_proposal()
+        if not 0 <= kept_len <= len(prop.tokens):
+            raise ValueError(f"kept_len {kept_len} outside the proposal's {len(prop.tokens)} tokens")
+        out = self.out
+        kept = prop.tokens[:kept_len][: self.remaining]
+        out.blocks += 1
+        out.cached_tokens = len(out.token_ids)
+        out.token_ids += kept
+        out.logprobs += (prop.logprobs or [])[: len(kept)]
+        self.proposal = None
+        if len(kept) < len(prop.tokens) and prop.tokens[len(kept)] in self.stop_ids:
+            self.done = True
+            out.finish_reason, out.stop_token = "stop", prop.tokens[len(kept)]
+        elif self.remaining <= 0 or self.block + 1 >= self.max_blocks:
+            self.done = True
+            out.finish_reason = "length"
+        else:
+            self.pending = kept
+            self.block += 1
+            self.retry = 0
+            self.length = self._canvas_length()
+        return kept
+
+    def _pending_proposal(self) -> Proposal:
+        if self.proposal is None:
+            raise RuntimeError("no proposal to commit or discard: propose first")
+        return self.proposal
+
+
+def default_commit(turn: Turn, prop: Proposal) -> int | None:
+    """The contract's decision on a proposal: None to re-roll it (a first block opening on a stop or pad token,
+    seed §9 #10), else how many of its tokens to keep: up to the first stop token, or to the confidence cut
+    (seed §9 #11), within the budget."""
+    cfg = turn.cfg
+    empty = not turn.out.token_ids and prop.tokens[0] in turn.stop_ids | {cfg.pad_token_id}
+    if empty and turn.retry < cfg.empty_reply_retry:
+        return None
+    kept = len(prop.tokens) if prop.stop_at is None else prop.stop_at
+    if cfg.commit_conf_trim > 0:
+        kept = min(kept, confidence_cut(prop.tokens, prop.p_max, cfg.commit_conf_trim, turn.stop_ids))
+    return min(kept, turn.remaining)
+
+
+def drive(
+    turn: Turn,
+    on_step: Callable[[StepInfo], None] | None = None,
+    cancel: CancelToken | None = None,
+    on_commit: Callable[[Turn, list[int]], None] | None = None,
+) -> GenerateOutput:
+    """Run `turn` to its end under `default_commit`; `on_commit(turn, kept)` after each commit."""
+    while not turn.done:
+        prop = turn.propose(on_step, cancel)
+        if prop is None:
+            break
+        kept_len = default_commit(turn, prop)
+        if kept_len is None:
+            turn.discard()
+            continue
+        kept = turn.commit(kept_len)
+        if on_commit is not None:
+            on_commit(turn, kept)
+    return turn.out
 
 
 def generate(
@@ -202,88 +380,12 @@ def generate(
     cancel: CancelToken | None = None,
     logprobs: int | None = None,
 ) -> GenerateOutput:
-    """Prefill `prompt_ids` (the tokens not yet in `kv`) and generate a reply; with `logprobs` (k >= 0),
-    `out.logprobs` holds each generated token's `TokenLogprob` with k alternatives.
-
-    On return `kv` holds the prompt and every committed block except the last one (which the caller prefills
-    with whatever follows it), so a cancelled or finished generation leaves the cache consistent.
-    """
-    max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
-    if max_new <= 0:
-        raise ValueError(f"max_new_tokens must be positive, got {max_new}")
-    canvas_len = model.cfg.canvas_length
-    stop_ids = set(cfg.stop_token_ids)
-    out = GenerateOutput(token_ids=[], prompt_tokens=len(prompt_ids))
-
-    t0 = time.perf_counter()
-    _prefill(model, list(prompt_ids), kv, cfg)
-    _sync(model)
-    out.prefill_seconds += time.perf_counter() - t0
-
-    max_blocks = -(-max_new // canvas_len)
-    if cfg.commit_conf_trim > 0:
-        max_blocks *= 2  # headroom for blocks the confidence trim shortens
-    pending: list[int] = []  # committed but not yet prefilled
-    for b in range(max_blocks):
-        remaining = max_new - len(out.token_ids)
-        if remaining <= 0:
-            break
-        t0 = time.perf_counter()
-        if pending:
-            _prefill(model, pending, kv, cfg)
-            pending = []
-            _sync(model)
-            out.prefill_seconds += time.perf_counter() - t0
-            t0 = time.perf_counter()
-        length = canvas_len
-        if cfg.canvas_shrink:
-            length = min(canvas_len, max(remaining, MIN_CANVAS))
-        retry = 0
-        while True:
-            res = denoise_block(
-                model, kv, cfg, block_seed(seed, b, retry), length, on_step, cancel, b, logprobs
-            )
-            if res is None:
-                out.finish_reason = "cancelled"
-                out.cached_tokens = len(out.token_ids)
-                out.denoise_seconds += time.perf_counter() - t0
-                return out
-            out.steps += res.steps
-            out.block_steps.append(res.steps)
-            # Seed §9 #10: a first block opening on a stop/pad token re-rolls with a halved canvas.
-            empty = not out.token_ids and res.tokens[0] in stop_ids | {cfg.pad_token_id}
-            if empty and retry < cfg.empty_reply_retry:
-                retry += 1
-                out.retries += 1
-                length = max(MIN_CANVAS, length // 2) if length > MIN_CANVAS else length
-                continue
-            break
-        out.denoise_seconds += time.perf_counter() - t0
-        out.blocks += 1
-        tokens = res.tokens
-        stop_at = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
-        if cfg.commit_conf_trim > 0:
-            cut = confidence_cut(tokens, res.p_max, cfg.commit_conf_trim, stop_ids)
-            if cut < len(tokens):  # a cut lies before any stop token: the rest re-denoises next block
-                tokens, stop_at = tokens[:cut], None
-        out.cached_tokens = len(out.token_ids)
-        if stop_at is not None:
-            kept = tokens[:stop_at][:remaining]
-            out.token_ids += kept
-            out.logprobs += (res.logprobs or [])[: len(kept)]
-            if on_block is not None:
-                on_block(kept)
-            if len(kept) == stop_at:
-                out.finish_reason, out.stop_token = "stop", tokens[stop_at]
-            return out
-        kept = tokens[:remaining]
-        out.token_ids += kept
-        out.logprobs += (res.logprobs or [])[: len(kept)]
-        if on_block is not None:
-            on_block(kept)
-        pending = kept
-    out.finish_reason = "length"
-    return out
+    """Prefill `prompt_ids` (the tokens not yet in `kv`) and generate a reply: a `Turn` `drive`n by
+    `default_commit`. With `logprobs` (k >= 0), `out.logprobs` holds each generated token's `TokenLogprob` with k
+    alternatives. On return `kv` holds the prompt and every committed block except the last one."""
+    turn = Turn(model, prompt_ids, kv, cfg, seed, max_new_tokens, logprobs)
+    on_commit = None if on_block is None else lambda _turn, kept: on_block(kept)
+    return drive(turn, on_step, cancel, on_commit)
 
 
 def _sync(model: ModelRunner) -> None:

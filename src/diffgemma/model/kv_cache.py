@@ -79,6 +79,7 @@ class KVCache:
             raise ValueError(f"ring_size {self.ring_size} is smaller than the window - 1 ({self.window - 1})")
         self.period, self.mirror = _geometry(cfg, max_tokens, self.ring_size)
         self.length = 0
+        self.cut: int | None = None  # `take_cut`
         self.tokens: list[int] = []  # the ids at positions 0 .. length - 1, when the prefill wrote them
         # Oldest position every ring still holds: a write ending at e may overwrite any position < e - ring_size,
         # and a rewind does not bring those back (so length - ring_size alone says too much after a truncate).
@@ -204,13 +205,25 @@ class KVCache:
                 f"cannot truncate to {pos}: the sliding-window ring ({self.ring_size} slots) no longer holds "
                 f"positions {max(0, pos - self.window + 1)}..{pos - 1}; re-prefill instead"
             )
+        self._note_cut(pos)
         self.length = pos
         del self.tokens[pos:]
 
     def reset(self) -> None:
+        self._note_cut(0)
         self.length = 0
         self.oldest = 0
         self.tokens = []
+
+    def _note_cut(self, pos: int) -> None:
+        if pos < self.length:
+            self.cut = pos if self.cut is None else min(self.cut, pos)
+
+    def take_cut(self) -> int | None:
+        """The lowest position a truncate or reset has cut back to since the last call (None: no cut): what the
+        token pipeline's epochs track."""
+        cut, self.cut = self.cut, None
+        return cut
 
     def knows_tokens(self) -> bool:
         """Whether `tokens` holds the id of every cached position (false for K/V written some other way)."""

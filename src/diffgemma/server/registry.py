@@ -40,14 +40,14 @@ class Registry:
     def __len__(self) -> int:
         return len(self.conversations)
 
-    def _touch(self, conv: Conversation) -> Conversation:
+    def touch(self, conv: Conversation) -> Conversation:
         self._used[id(conv)] = time.monotonic()
         return conv
 
     def _lru(self) -> Conversation:
         return min(self.conversations, key=lambda c: self._used[id(c)])
 
-    def _blank(self, keep: Conversation | None = None) -> Conversation:
+    def blank(self, keep: Conversation | None = None) -> Conversation:
         """A new conversation, or the least recently used one (never `keep`) reset when at the bound."""
         if len(self.conversations) < self.max_conversations:
             conv = Conversation(self.engine, self.ctx, rewind_slack=SERVE_REWIND_SLACK)
@@ -69,16 +69,16 @@ class Registry:
             if n > shared:
                 best, shared = conv, n
         if best is None:
-            return self._touch(self._blank())
+            return self.touch(self.blank())
         # It extends the log, or repeats a prefix of it (a retried turn, an identical request): its own cache.
         if shared in (len(best.log), len(ids)) or self.max_conversations == 1:
-            return self._touch(best)
+            return self.touch(best)
         if shared < MIN_FORK_TOKENS or not best.kv.can_truncate(shared):
-            return self._touch(self._blank(keep=best))
-        fork = self._blank(keep=best)
+            return self.touch(self.blank(keep=best))
+        fork = self.blank(keep=best)
         copy_prefix(best.kv, fork.kv, shared)
         self.engine.runner.rewind(fork.kv, shared)  # the copy's last chunk as a prefill of its own tokens
-        return self._touch(fork)
+        return self.touch(fork)
 
     def generate(self, ids: list[int], **kwargs: Any) -> tuple[GenerateOutput, Conversation]:
         conv = self.route(ids)

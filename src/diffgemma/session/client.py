@@ -1,0 +1,86 @@
+"""`Session`: a conversation driven through the token pipeline, the way `ask`, `chat` and Python code reach the
+model: each call is ops (AlignTo, Generate) on one pipeline, journaled when a log path is given."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from diffgemma.engine.engine import Engine, Prompt
+from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo
+from diffgemma.session import ops as O
+from diffgemma.session.oplog import OpLog
+from diffgemma.session.pipeline import Pipeline, sampler_fields
+
+
+class Session:
+    """One conversation on `engine`: `generate` reuses the cached prefix of each prompt and prefills the rest.
+    With `log`, every op and event is appended to that JSONL file (`diffgemma replay` re-executes it)."""
+
+    def __init__(self, engine: Engine, log: str | Path | None = None, ctx: int | None = None) -> None:
+        self.engine = engine
+        pipeline = Pipeline(engine, ctx, max_conversations=1)
+        self.pipeline: Pipeline | OpLog = OpLog(pipeline, log) if log is not None else pipeline
+        self._call(O.Activate(0))
+
+    def _call(
+        self, op: O.Op, on_event: Callable[[O.Event], None] | None = None, **kwargs: Any
+    ) -> list[O.Event]:
+        events: list[O.Event] = []
+
+        def emit(event: O.Event) -> None:
+            events.append(event)
+            if on_event is not None:
+                on_event(event)
+
+        self.pipeline.run(op, emit, **kwargs)
+        if events and isinstance(events[-1], O.Failed):
+            raise ValueError(events[-1].message)
+        return events
+
+    @property
+    def log(self) -> list[int]:
+        """The token ids the conversation's cache holds."""
+        return list(self.pipeline.active.log)
+
+    def reset(self) -> None:
+        self._call(O.AlignTo([]))
+
+    def generate(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int | None = None,
+        seed: int = 42,
+        on_step: Callable[[StepInfo], None] | None = None,
+        on_block: Callable[[list[int]], None] | None = None,
+        *,
+        cancel: CancelToken | None = None,
+        think: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        raw: bool = False,
+        logprobs: int | None = None,
+        **sampler_overrides: Any,
+    ) -> GenerateOutput:
+        """A reply to the whole conversation `prompt` (ids, a string or messages, as `Engine.generate` takes)."""
+        ids = self.engine.prompt_ids(prompt, think=think, tools=tools, raw=raw)
+        if len(ids) + 1 > self.pipeline.registry.ctx:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens does not fit the context of {self.pipeline.registry.ctx}"
+            )
+        fields = (
+            sampler_fields(self.engine.sampler.replace(**sampler_overrides)) if sampler_overrides else None
+        )
+        (aligned,) = self._call(O.AlignTo(ids))
+        reused = aligned.reused
+
+        def on_event(event: O.Event) -> None:
+            if isinstance(event, O.Committed) and on_block is not None:
+                on_block(event.ids)
+
+        op = O.Generate(ids[reused:], seed, max_new_tokens, fields, logprobs)
+        self._call(op, on_event, on_step=on_step, cancel=cancel)
+        out = self.pipeline.last_output
+        assert out is not None
+        out.reused_tokens = reused
+        return self.engine.parse(out)

@@ -1,0 +1,328 @@
+"""The pipeline's terminal: executes ops on the engine's conversations, one at a time, on the calling thread (the
+engine worker's). Stages (`oplog`, `tools`) wrap it with the same `run(op, emit, ...)`.
+
+Lineage: each conversation counts epochs. An op that cuts its log (a rewind, a realignment, a splice, a reset, an
+eviction) records the cut and starts a new epoch; a KvId (e, p) still names the same content iff p is within the
+log and no cut since epoch e went below p. A rewind to any other KvId is refused (`Failed`), never guessed."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from diffgemma.config import SamplerConfig
+from diffgemma.engine.engine import Engine
+from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo, TokenLogprob, Turn, drive
+from diffgemma.engine.generate import prefill as prompt_prefill
+from diffgemma.engine.rng import Rng
+from diffgemma.server.registry import Registry, prefill
+from diffgemma.session import ops as O
+from diffgemma.session.conversation import Conversation, common_prefix
+
+Emit = Callable[[O.Event], None]
+
+
+@dataclasses.dataclass
+class Lineage:
+    """A conversation's id, epoch and the cut that ended each earlier epoch."""
+
+    conv: int
+    epoch: int = 0
+    cuts: list[int] = dataclasses.field(default_factory=list)
+
+    def cut(self, pos: int) -> None:
+        self.cuts.append(pos)
+        self.epoch += 1
+
+    def holds(self, kv: O.KvId, length: int) -> bool:
+        e, p = kv
+        return 0 <= e <= self.epoch and 0 <= p <= length and all(p <= c for c in self.cuts[e:])
+
+
+class CountingCancel(CancelToken):
+    """The caller's cancel (and the pipeline's own) seen through one token that remembers how many denoise steps
+    had run when it was first seen set: where the cancel struck, for the log and its replay."""
+
+    def __init__(self, *tokens: CancelToken | None) -> None:
+        super().__init__()
+        self.tokens = [t for t in tokens if t is not None]
+        self.steps = 0
+        self.struck_at: int | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        if self.struck_at is None and (self._event.is_set() or any(t.cancelled for t in self.tokens)):
+            self.struck_at = self.steps
+        return self.struck_at is not None
+
+
+class Pipeline:
+    """Conversations (a `Registry`: routing by longest common prefix, forks, eviction) and the open turn."""
+
+    def __init__(self, engine: Engine, ctx: int | None = None, max_conversations: int = 4) -> None:
+        self.engine = engine
+        self.registry = Registry(engine, ctx or engine.max_tokens, max_conversations)
+        self.lineage: dict[int, Lineage] = {}  # id(Conversation) -> its lineage
+        self.active: Conversation | None = None
+        self.turn: Turn | None = None
+        self._cancel = CancelToken()
+        # the last Generate's output with its timings, which the events leave out (they must replay identically)
+        self.last_output: GenerateOutput | None = None
+        self._handlers: dict[type[O.Op], Callable[..., None]] = {
+            O.Route: self._route,
+            O.Activate: self._activate,
+            O.Extend: self._extend,
+            O.AlignTo: self._align,
+            O.Finalize: self._finalize,
+            O.Rewind: self._rewind,
+            O.Splice: self._splice,
+            O.SyntheticFill: self._fill,
+            O.KvFingerprint: self._fingerprint,
+            O.Mark: self._mark,
+            O.BeginTurn: self._begin_turn,
+            O.ProposeBlock: self._propose,
+            O.CommitBlock: self._commit,
+            O.DiscardBlock: self._discard,
+            O.EndTurn: self._end_turn,
+            O.Generate: self._generate,
+            O.Ping: lambda op, emit, **_: emit(O.Pong()),
+            O.Cancel: lambda op, emit, **_: None,  # nothing runs beside it: clients call cancel() instead
+            O.Shutdown: lambda op, emit, **_: emit(O.Stopped()),
+        }
+
+    def cancel(self) -> None:
+        """Stop the running op between denoise steps (any thread)."""
+        self._cancel.cancel()
+
+    def run(
+        self,
+        op: O.Op,
+        emit: Emit,
+        on_step: Callable[[StepInfo], None] | None = None,
+        cancel: CancelToken | None = None,
+    ) -> None:
+        """Execute `op`, emitting its events in order. A refused or failed op emits `Failed` and leaves every cache
+        whole (a failed prefill empties its conversation, as a cut); errors other than the user's propagate."""
+        self._cancel = CancelToken()
+        token = CountingCancel(cancel, self._cancel)
+
+        def step(info: StepInfo) -> None:
+            token.steps += 1
+            if on_step is not None:
+                on_step(info)
+
+        for conv in self.registry.conversations:
+            conv.kv.take_cut()  # a cut made outside the pipeline is no op's
+        try:
+            self._handlers[type(op)](op, emit, on_step=step, cancel=token)
+        except (ValueError, RuntimeError) as e:
+            emit(O.Failed(str(e)))
+        finally:
+            for conv in self.registry.conversations:
+                self._lineage(conv)
+
+    # -- lineage ----------------------------------------------------------------------------------------------
+
+    def _lineage(self, conv: Conversation) -> Lineage:
+        """conv's lineage, with the cuts its cache made since the last look."""
+        if id(conv) not in self.lineage:
+            self.lineage[id(conv)] = Lineage(len(self.lineage))
+        lineage = self.lineage[id(conv)]
+        cut = conv.kv.take_cut()
+        if cut is not None:
+            lineage.cut(cut)
+        return lineage
+
+    def _conv(self) -> Conversation:
+        if self.active is None:
+            raise ValueError("no active conversation: send Activate or Route first")
+        return self.active
+
+    def kv_id(self, conv: Conversation | None = None) -> O.KvId:
+        conv = conv or self._conv()
+        return (self._lineage(conv).epoch, conv.kv.length)
+
+    # -- conversations ----------------------------------------------------------------------------------------
+
+    def _route(self, op: O.Route, emit: Emit, **_: Any) -> None:
+        self.active = self.registry.route(list(op.ids))
+        shared = common_prefix(self.active.log, list(op.ids))
+        emit(O.Activated(self._lineage(self.active).conv, self.kv_id(), shared))
+
+    def _activate(self, op: O.Activate, emit: Emit, **_: Any) -> None:
+        for conv in self.registry.conversations:
+            if self._lineage(conv).conv == op.conv:
+                self.active = self.registry.touch(conv)
+                break
+        else:
+            if op.conv != len(self.lineage):
+                raise ValueError(
+                    f"no conversation {op.conv}: a new one takes the next id, {len(self.lineage)}"
+                )
+            self.active = self.registry.touch(self.registry.blank(keep=self.active))
+            self._lineage(self.active)
+        emit(O.Activated(self._lineage(self.active).conv, self.kv_id()))
+
+    # -- the active log ---------------------------------------------------------------------------------------
+
+    def _prefill(self, ids: list[int], fp32_short: bool = False) -> None:
+        """Extend the active cache by ids; a failure empties it (never a half-written cache)."""
+        conv = self._conv()
+        if conv.kv.length + len(ids) > conv.max_tokens - 1:
+            raise ValueError(
+                f"{len(ids)} tokens do not fit the context ({conv.kv.length}/{conv.max_tokens} used)"
+            )
+        try:
+            if fp32_short:
+                prefill(self.engine, ids, conv.kv)  # the finalize policy: a short extension in fp32
+            else:
+                prompt_prefill(self.engine.runner, ids, conv.kv, self.engine.sampler)
+        except BaseException:
+            conv.reset()
+            raise
+
+    def _extend(self, op: O.Extend, emit: Emit, **_: Any) -> None:
+        self._prefill(list(op.ids))
+        emit(O.Extended(self.kv_id()))
+
+    def _align(self, op: O.AlignTo, emit: Emit, **_: Any) -> None:
+        reused = self._conv().sync(list(op.ids))
+        emit(O.Aligned(self.kv_id(), reused))
+
+    def _finalize(self, op: O.Finalize, emit: Emit, **_: Any) -> None:
+        conv, ids = self._conv(), list(op.ids)
+        if len(ids) + 1 >= conv.max_tokens:
+            emit(O.Finalized(self.kv_id(), skipped=True))
+            return
+        n = conv.sync(ids)
+        if ids[n:]:
+            self._prefill(ids[n:], fp32_short=True)
+        emit(O.Finalized(self.kv_id()))
+
+    def _rewind(self, op: O.Rewind, emit: Emit, **_: Any) -> None:
+        conv = self._conv()
+        if not self._lineage(conv).holds(op.to, conv.kv.length):
+            raise ValueError(
+                f"stale KV position {list(op.to)}: conversation {self._lineage(conv).conv} is at "
+                f"{list(self.kv_id())} and no longer holds what that position named"
+            )
+        pos = op.to[1]
+        if not conv.kv.can_truncate(pos):
+            raise ValueError(f"cannot rewind to {pos}: the sliding-window rings no longer hold it")
+        if pos < conv.kv.length:
+            self.engine.runner.rewind(conv.kv, pos)
+        emit(O.Rewound(self.kv_id()))
+
+    def _splice(self, op: O.Splice, emit: Emit, **_: Any) -> None:
+        conv = self._conv()
+        log = list(conv.log)
+        if not 0 <= op.start <= op.end <= len(log):
+            raise ValueError(f"splice {op.start}:{op.end} outside the log of {len(log)} tokens")
+        if not conv.kv.can_truncate(op.start):
+            raise ValueError(f"cannot splice at {op.start}: the sliding-window rings no longer hold it")
+        tail = list(op.replacement) + log[op.end :]
+        if op.start + len(tail) > conv.max_tokens - 1:
+            raise ValueError(f"the spliced log of {op.start + len(tail)} tokens does not fit the context")
+        if op.start < conv.kv.length:
+            self.engine.runner.rewind(conv.kv, op.start)
+        if tail:
+            self._prefill(tail)
+        emit(O.Extended(self.kv_id()))
+
+    def _fill(self, op: O.SyntheticFill, emit: Emit, **_: Any) -> None:
+        if op.n < 0:
+            raise ValueError(f"SyntheticFill of {op.n} tokens")
+        ids = Rng(op.seed).tokens(op.n, self.engine.config.vocab_size).tolist()
+        self._prefill(ids)
+        emit(O.Extended(self.kv_id()))
+
+    def _fingerprint(self, op: O.KvFingerprint, emit: Emit, **_: Any) -> None:
+        emit(O.Fingerprint(self._conv().kv.fingerprint(), self.kv_id()))
+
+    def _mark(self, op: O.Mark, emit: Emit, **_: Any) -> None:
+        emit(O.Marked(self.kv_id()))
+
+    # -- turns ------------------------------------------------------------------------------------------------
+
+    def sampler(self, fields: dict[str, Any] | None) -> SamplerConfig:
+        """The engine's sampler config, or the one these fields (`sampler_fields`) describe."""
+        if fields is None:
+            return self.engine.sampler
+        fields = dict(fields)
+        fields["stop_token_ids"] = tuple(fields.get("stop_token_ids", self.engine.sampler.stop_token_ids))
+        return SamplerConfig(**fields).validated()
+
+    def _open(
+        self, ids: list[int], seed: int, max_new: int | None, fields: dict | None, lp: int | None
+    ) -> Turn:
+        if self.turn is not None and not self.turn.done:
+            raise ValueError("a turn is already open: EndTurn first")
+        self.turn = self.engine.turn(ids, self._conv().kv, self.sampler(fields), seed, max_new, lp)
+        return self.turn
+
+    def _begin_turn(self, op: O.BeginTurn, emit: Emit, **_: Any) -> None:
+        self._open([], op.seed, op.max_new_tokens, op.sampler, op.logprobs)
+        emit(O.TurnBegun(self.kv_id()))
+
+    def _open_turn(self) -> Turn:
+        if self.turn is None:
+            raise ValueError("no turn is open: BeginTurn first")
+        return self.turn
+
+    def _propose(self, op: O.ProposeBlock, emit: Emit, on_step=None, cancel=None) -> None:
+        turn = self._open_turn()
+        prop = turn.propose(on_step, cancel)
+        if prop is None:
+            emit(O.Cancelled(cancel.struck_at or 0))
+            return
+        emit(O.Proposed(prop.block, prop.retry, prop.tokens, prop.steps, prop.stop_at))
+
+    def _commit(self, op: O.CommitBlock, emit: Emit, **_: Any) -> None:
+        turn = self._open_turn()
+        kept = turn.commit(op.kept_len)
+        emit(O.Committed(turn.out.blocks - 1, kept, turn.done))
+
+    def _discard(self, op: O.DiscardBlock, emit: Emit, **_: Any) -> None:
+        turn = self._open_turn()
+        turn.discard()
+        emit(O.Discarded(turn.block, turn.retry))
+
+    def _end_turn(self, op: O.EndTurn, emit: Emit, cancel=None, **_: Any) -> None:
+        turn = self._open_turn()
+        self.turn = None
+        emit(self._replied(turn, None))
+
+    def _replied(self, turn: Turn, cancel_after: int | None) -> O.Replied:
+        out = turn.out
+        lps = [_logprob_json(t) for t in out.logprobs] if turn.logprobs is not None else None
+        return O.Replied(
+            out.token_ids, out.finish_reason, out.stop_token, out.steps, out.blocks, out.retries,
+            out.cached_tokens, self.kv_id(), lps, cancel_after,
+        )  # fmt: skip
+
+    def _generate(self, op: O.Generate, emit: Emit, on_step=None, cancel=None) -> None:
+        conv = self._conv()
+        try:
+            turn = self._open(list(op.ids), op.seed, op.max_new_tokens, op.sampler, op.logprobs)
+            self.turn = None  # driven here to its end: no per-block op reaches it
+            drive(turn, on_step, cancel, lambda t, kept: emit(O.Committed(t.out.blocks - 1, kept, t.done)))
+        except ValueError:
+            raise  # refused before the cache was written (the prompt's checks)
+        except BaseException:
+            conv.reset()  # never leave a half-written cache behind
+            raise
+        struck = cancel.struck_at if turn.out.finish_reason == "cancelled" else None
+        self.last_output = turn.out
+        emit(self._replied(turn, struck))
+
+
+def _logprob_json(t: TokenLogprob) -> list[Any]:
+    return [t.token_id, t.logprob, [list(p) for p in t.top]]
+
+
+def sampler_fields(cfg: SamplerConfig) -> dict[str, Any]:
+    """A sampler config as the JSON fields of BeginTurn / Generate."""
+    d = dataclasses.asdict(cfg)
+    d["stop_token_ids"] = list(cfg.stop_token_ids)
+    return d
