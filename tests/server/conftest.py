@@ -15,7 +15,7 @@ import uvicorn
 from openai import OpenAI
 
 import diffgemma
-import diffgemma.engine.engine as engine_module
+import diffgemma.session.pipeline as pipeline_module
 from diffgemma.engine.generate import GenerateOutput
 from diffgemma.server import create_app
 from diffgemma.testing import write_tiny_checkpoint
@@ -86,8 +86,9 @@ def client(server: ServerThread) -> OpenAI:
 
 
 class Script:
-    """Stands in for the block loop: prefills the prompt into the real KV (so reuse stays real) and
-    returns chosen replies, one per generation, committed in blocks of `block` tokens."""
+    """Stands in for the block loop (`drive`, under the pipeline's Generate): the turn has prefilled the prompt into
+    the real KV (so reuse stays real); returns chosen replies, one per generation, committed in blocks of `block`
+    tokens."""
 
     def __init__(self, engine: diffgemma.Engine, replies: list[str | list[int]], block: int = 4) -> None:
         self.engine = engine
@@ -95,31 +96,28 @@ class Script:
         self.block = block
         self.prompts: list[list[int]] = []  # the uncached prompt tokens of each generation
 
-    def __call__(
-        self, model, prompt_ids, kv, cfg, seed, max_new, on_step, on_block, cancel, logprobs=None
-    ) -> GenerateOutput:
-        self.prompts.append(list(prompt_ids))
-        if prompt_ids:
-            model.prefill(torch.tensor([prompt_ids], dtype=torch.long), kv)
+    def __call__(self, turn, on_step=None, cancel=None, on_commit=None) -> GenerateOutput:
+        self.prompts.append(list(turn.prompt_ids))
         reply = self.replies.pop(0)
         ids = self.engine.tokenizer.encode(reply) if isinstance(reply, str) else list(reply)
-        ids = ids[:max_new]
-        out = GenerateOutput(
-            token_ids=[], prompt_tokens=len(prompt_ids), finish_reason="stop", stop_token=106
-        )
+        ids = ids[: turn.max_new]
+        out = turn.out
+        out.finish_reason, out.stop_token = "stop", 106
         for start in range(0, len(ids), self.block):
             if cancel is not None and cancel.cancelled:
-                out.finish_reason = "cancelled"
+                out.finish_reason, out.stop_token = "cancelled", None
                 break
             if out.token_ids:  # the previous block is prefilled before the next one, as the real loop does
-                model.prefill(torch.tensor([out.token_ids[-self.block :]], dtype=torch.long), kv)
+                turn.model.prefill(torch.tensor([out.token_ids[-self.block :]], dtype=torch.long), turn.kv)
                 out.cached_tokens = len(out.token_ids)
             chunk = ids[start : start + self.block]
             out.token_ids += chunk
             out.steps += 1
             out.blocks += 1
-            if on_block is not None:
-                on_block(chunk)
+            turn.done = start + self.block >= len(ids)
+            if on_commit is not None:
+                on_commit(turn, chunk)
+        turn.done = True
         return out
 
 
@@ -127,7 +125,7 @@ class Script:
 def script(engine, monkeypatch) -> Callable[..., Script]:
     def make(*replies: str | list[int], block: int = 4) -> Script:
         s = Script(engine, list(replies), block)
-        monkeypatch.setattr(engine_module, "generate", s)
+        monkeypatch.setattr(pipeline_module, "drive", s)
         return s
 
     return make

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from diffgemma.server import create_app
-from diffgemma.server.registry import Registry
+from diffgemma.session.registry import Registry
 from tests.server.conftest import CTX, MODEL, ServerThread
 
 TURNS = [
@@ -54,7 +54,7 @@ def test_an_identical_request_reuses_its_own_conversation(engine) -> None:
 def test_a_cache_holds_the_bytes_of_one_prefill_of_its_tokens(engine) -> None:
     """However a conversation's tokens reached the cache (prompts, committed blocks, finalized turns, rewinds),
     its K/V are bit for bit those of one prefill of the same tokens into an empty cache."""
-    from diffgemma.server.registry import prefill
+    from diffgemma.session.registry import prefill
 
     reg = Registry(engine, CTX, max_conversations=1)
     messages: list[dict] = []

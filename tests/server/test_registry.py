@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffgemma.server.registry import Registry, copy_prefix
+from diffgemma.session.registry import Registry, copy_prefix
 from tests.server.conftest import CTX
 
 

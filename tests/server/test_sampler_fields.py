@@ -11,7 +11,7 @@ except ImportError:
     import httpx
 import pytest
 
-import diffgemma.engine.engine as engine_module
+import diffgemma.session.pipeline as pipeline_module
 from diffgemma.config import SamplerConfig
 from diffgemma.engine.generate import GenerateOutput
 from diffgemma.server.schema import REFUSED_FIELDS, SamplerFields
@@ -29,14 +29,14 @@ BODIES = {
 def runs(monkeypatch) -> list[tuple[SamplerConfig, GenerateOutput]]:
     """Each generation's sampler config and output, from the real block loop."""
     seen: list[tuple[SamplerConfig, GenerateOutput]] = []
-    real = engine_module.generate
+    real = pipeline_module.drive
 
-    def spy(model, prompt_ids, kv, cfg, *args, **kwargs) -> GenerateOutput:
-        out = real(model, prompt_ids, kv, cfg, *args, **kwargs)
-        seen.append((cfg, out))
+    def spy(turn, *args, **kwargs) -> GenerateOutput:
+        out = real(turn, *args, **kwargs)
+        seen.append((turn.cfg, out))
         return out
 
-    monkeypatch.setattr(engine_module, "generate", spy)
+    monkeypatch.setattr(pipeline_module, "drive", spy)
     return seen
 
 
@@ -94,19 +94,22 @@ def test_every_field_reaches_the_sampler(server, runs) -> None:
 
 
 def test_only_a_request_with_sampler_fields_passes_a_sampler(server, monkeypatch) -> None:
-    registry = server.app.state.registry
-    calls: list[dict[str, Any]] = []
-    real = registry.generate
+    from diffgemma.session import ops as O
 
-    def spy(ids, **kwargs):
-        calls.append(kwargs)
-        return real(ids, **kwargs)
+    pipeline = server.app.state.pipeline
+    ops: list[O.Generate] = []
+    real = pipeline.run
 
-    monkeypatch.setattr(registry, "generate", spy)
+    def spy(op, emit, **kwargs):
+        if isinstance(op, O.Generate):
+            ops.append(op)
+        return real(op, emit, **kwargs)
+
+    monkeypatch.setattr(pipeline, "run", spy)
     assert post(server, COMP, max_tokens=8, entropy_bound=None).status_code == 200  # null: left out
     assert post(server, COMP, max_tokens=8, entropy_bound=0.3).status_code == 200
-    assert "sampler" not in calls[0]
-    assert calls[1]["sampler"] == registry.engine.sampler.replace(entropy_bound=0.3)
+    assert ops[0].sampler is None
+    assert pipeline.sampler(ops[1].sampler) == pipeline.engine.sampler.replace(entropy_bound=0.3)
 
 
 BAD = [

@@ -62,7 +62,10 @@ def test_a_changed_token_is_named_and_exits_1(eng, tiny_a, tmp_path):
     log.write_text("\n".join(lines) + "\n")
     bad = runner.invoke(app, ["replay", str(log), "-m", str(tiny_a)])
     assert bad.exit_code == 1
-    assert f"line {i + 1}: event" in bad.stdout and "of op Generate differs: token_ids first differs at [0]" in bad.stdout
+    assert (
+        f"line {i + 1}: event" in bad.stdout
+        and "of op Generate differs: token_ids first differs at [0]" in bad.stdout
+    )
 
 
 def test_another_models_log_is_refused_in_one_line(eng, tiny_b, tmp_path):

@@ -60,7 +60,11 @@ def test_generate_is_the_engines_generate_token_for_token(eng):
     events = run(p, O.Generate(PROMPT, seed=7, max_new_tokens=40))
     *blocks, done = events
     assert isinstance(done, O.Replied) and done.token_ids == want.token_ids
-    assert (done.finish_reason, done.stop_token, done.steps) == (want.finish_reason, want.stop_token, want.steps)
+    assert (done.finish_reason, done.stop_token, done.steps) == (
+        want.finish_reason,
+        want.stop_token,
+        want.steps,
+    )
     assert [t for b in blocks for t in b.ids] == want.token_ids and blocks[-1].done
     assert done.kv == (0, len(PROMPT) + want.cached_tokens)
 

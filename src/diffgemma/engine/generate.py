@@ -232,6 +232,7 @@ class Turn:
         self.model, self.kv, self.cfg, self.seed, self.max_new, self.logprobs = (
             model, kv, cfg, seed, max_new, logprobs
         )  # fmt: skip
+        self.prompt_ids = list(prompt_ids)  # the uncached prompt the turn prefills first
         self.stop_ids = set(cfg.stop_token_ids)
         canvas_len = model.cfg.canvas_length
         self.max_blocks = -(-max_new // canvas_len) * (2 if cfg.commit_conf_trim > 0 else 1)  # trim headroom

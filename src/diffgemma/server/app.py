@@ -22,7 +22,6 @@ from diffgemma.server import responses as R
 from diffgemma.server.errors import APIError, invalid
 from diffgemma.server.jobs import ChatJob, CompletionJob, Delta, Done, Failed
 from diffgemma.server.metrics import Metrics
-from diffgemma.server.registry import Registry
 from diffgemma.server.reqlog import RequestLog
 from diffgemma.server.schema import (
     ChatCompletionBody,
@@ -37,6 +36,8 @@ from diffgemma.server.schema import (
     resolve_model,
 )
 from diffgemma.server.worker import Channel, QueueFull, Worker
+from diffgemma.session.oplog import OpLog
+from diffgemma.session.pipeline import Pipeline
 
 log = logging.getLogger("diffgemma.server")
 
@@ -100,10 +101,13 @@ def create_app(
     model's positions). Its worker thread starts and stops with the app's lifespan."""
     model_id = model_id or model_id_of(engine)
     ctx = engine.config.context(ctx or engine.max_tokens, engine.max_tokens)
-    registry = Registry(engine, ctx, max_conversations)
+    pipeline: Pipeline | OpLog = Pipeline(engine, ctx, max_conversations)
+    if log_dir:  # every op and event, for `diffgemma replay`
+        pipeline = OpLog(pipeline, Path(log_dir) / "ops.jsonl")
+    registry = pipeline.registry
     worker: Worker
     metrics = Metrics(queue_depth=lambda: worker.depth, conversations=lambda: len(registry))
-    worker = Worker(registry, max_queue)
+    worker = Worker(pipeline, max_queue)
     request_log = RequestLog(log_dir) if log_dir else None
     tok = engine.tokenizer
     max_pos = engine.config.max_position_embeddings
@@ -118,6 +122,8 @@ def create_app(
             await run_in_threadpool(worker.stop)
             if request_log is not None:
                 request_log.close()
+            if isinstance(pipeline, OpLog):
+                pipeline.close()
 
     app = FastAPI(title="diffgemma", lifespan=lifespan, docs_url=None, redoc_url=None)
     default_openapi = app.openapi
@@ -132,6 +138,8 @@ def create_app(
     app.openapi = openapi  # type: ignore[method-assign]
     app.add_middleware(_MetricsMiddleware, metrics=metrics)
     app.state.registry, app.state.worker, app.state.metrics = registry, worker, metrics
+    app.state.pipeline = pipeline
+    app.state.op_log_path = pipeline.path if isinstance(pipeline, OpLog) else None
     app.state.model_id, app.state.ctx = model_id, ctx
     app.state.request_log_path = request_log.path if request_log is not None else None
 

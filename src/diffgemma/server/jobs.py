@@ -21,10 +21,10 @@ from diffgemma.config import SamplerConfig
 from diffgemma.engine.generate import CancelToken, GenerateOutput, TokenLogprob
 from diffgemma.server.errors import APIError
 from diffgemma.server.metrics import Metrics
-from diffgemma.server.registry import Registry
 from diffgemma.server.schema import ChatRequest, CompletionRequest
 from diffgemma.server.worker import Channel
-from diffgemma.session import Conversation
+from diffgemma.session import ops as O
+from diffgemma.session.pipeline import Pipeline, call, sampler_fields
 
 log = logging.getLogger("diffgemma.server")
 
@@ -147,7 +147,7 @@ class _Base:
 
     def _generate(
         self,
-        registry: Registry,
+        pipeline: Pipeline,
         ids: list[int],
         max_tokens: int,
         seed: int,
@@ -155,21 +155,21 @@ class _Base:
         cancel: CancelToken,
         logprobs: int | None = None,
         sampler: SamplerConfig | None = None,
-    ) -> tuple[GenerateOutput, Conversation]:
-        # Without sampler fields in the request, the call is exactly the engine's default one.
-        own = {} if sampler is None else {"sampler": sampler}
+    ) -> GenerateOutput:
+        """Route the prompt to its conversation, cut that to the common prefix, and generate through the
+        pipeline's ops."""
+        # Without sampler fields in the request, the op is exactly the engine's default one.
+        fields = None if sampler is None else sampler_fields(sampler)
         try:
-            out, conv = registry.generate(
-                ids,
-                max_new_tokens=max_tokens,
-                seed=seed,
-                on_block=on_block,
-                cancel=cancel,
-                logprobs=logprobs,
-                **own,
-            )
+            call(pipeline, O.Route(ids))
+            (aligned,) = call(pipeline, O.AlignTo(ids))
+            on_event = lambda ev: on_block(ev.ids) if isinstance(ev, O.Committed) else None  # noqa: E731
+            op = O.Generate(ids[aligned.reused :], seed, max_tokens, fields, logprobs)
+            call(pipeline, op, on_event, cancel=cancel)
         except ValueError as exc:  # the engine's own checks (context) after the server's
             raise APIError(400, str(exc), code="context_length_exceeded") from None
+        out = pipeline.last_output
+        out.reused_tokens = aligned.reused
         m = self.metrics
         m.prompt_tokens.inc(len(ids))
         m.cached_tokens.inc(out.reused_tokens)
@@ -177,13 +177,12 @@ class _Base:
         m.denoise_steps.inc(out.steps)
         m.prefill_seconds.observe(out.prefill_seconds)
         m.denoise_seconds.observe(out.denoise_seconds)
-        return out, conv
+        return out
 
 
 @dataclass
 class _Attempt:
     out: GenerateOutput
-    conv: Conversation
     events: list[Delta]
     finish: str
     content: str
@@ -211,7 +210,7 @@ class ChatJob(_Base):
         self.tok = tokenizer
         self.render_tools = render_tools
 
-    def run(self, registry: Registry) -> None:
+    def run(self, pipeline: Pipeline) -> None:
         """Generate, retrying with a new seed (up to VALIDATION_ATTEMPTS) a reply that fails validation
         (json_object, a required tool call) or holds a tool call that does not parse. A validated or
         non-streaming reply is sent once it passes; a streaming one as it commits, and retried only if nothing
@@ -223,7 +222,7 @@ class ChatJob(_Base):
         problem = None
         for i in range(VALIDATION_ATTEMPTS):
             last = i + 1 == VALIDATION_ATTEMPTS
-            att = self._attempt(registry, req.seed + i, self._emit if live else None, hold_bad=not last)
+            att = self._attempt(pipeline, req.seed + i, self._emit if live else None, hold_bad=not last)
             if self.cancel.cancelled:
                 break
             problem = self._problem(att)
@@ -262,14 +261,14 @@ class ChatJob(_Base):
             )
         )
         if not self.cancel.cancelled:
-            self._finalize(registry, att)
+            self._finalize(pipeline, att)
 
     def _emit(self, delta: Delta) -> None:
         self._first_block()
         self.channel.put(delta)
 
     def _attempt(
-        self, registry: Registry, seed: int, emit: Callable[[Delta], None] | None, hold_bad: bool
+        self, pipeline: Pipeline, seed: int, emit: Callable[[Delta], None] | None, hold_bad: bool
     ) -> _Attempt:
         """One generation. With `emit` (streaming) events go out as blocks commit; a bad tool call before any
         of them did stops the attempt (when `hold_bad`, so that a retry repeats nothing)."""
@@ -317,8 +316,8 @@ class ChatJob(_Base):
                     calls.append(call)
                     send(Delta("tool_call", call=call))
 
-        out, conv = self._generate(
-            registry,
+        out = self._generate(
+            pipeline,
             self.ids + self.forced,
             self.max_new,
             seed,
@@ -341,7 +340,7 @@ class ChatJob(_Base):
         else:
             finish = "stop" if out.finish_reason == "cancelled" else out.finish_reason
         streamed = emit is not None and bool(events)
-        return _Attempt(out, conv, events, finish, "".join(content), calls, state["bad"], streamed)
+        return _Attempt(out, events, finish, "".join(content), calls, state["bad"], streamed)
 
     def _problem(self, att: _Attempt) -> str | None:
         choice = self.req.tool_choice
@@ -360,7 +359,7 @@ class ChatJob(_Base):
             return "the model produced a tool call that does not parse"
         return None
 
-    def _finalize(self, registry: Registry, att: _Attempt) -> None:
+    def _finalize(self, pipeline: Pipeline, att: _Attempt) -> None:
         """Re-render the finished turn as the client will send it back and make the KV hold exactly that.
         A tool-calling turn is rendered with empty content, so it ends at the `<|tool_response>` opener
         and the client's next request (which adds the results) extends it."""
@@ -384,7 +383,7 @@ class ChatJob(_Base):
             add_generation_prompt=False,
             enable_thinking=self.req.think,
         )
-        registry.finalize(att.conv, ids)
+        call(pipeline, O.Finalize(ids))
 
 
 class CompletionJob(_Base):
@@ -402,7 +401,7 @@ class CompletionJob(_Base):
         self.req = request
         self.tok = tokenizer
 
-    def run(self, registry: Registry) -> None:
+    def run(self, pipeline: Pipeline) -> None:
         self._begin()
         stops = StopFilter(self.req.stop)
         cancel = LinkedCancel(self.cancel)
@@ -423,8 +422,8 @@ class CompletionJob(_Base):
             if stops.hit:
                 cancel.cancel()
 
-        out, _ = self._generate(
-            registry,
+        out = self._generate(
+            pipeline,
             self.ids,
             self.max_new,
             self.req.seed,

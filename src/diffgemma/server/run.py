@@ -12,7 +12,7 @@ from diffgemma.config import SERVE_CONTEXT, ModelConfig
 from diffgemma.engine.engine import Engine, load
 from diffgemma.model.kv_cache import cache_bytes, ring_slots
 from diffgemma.server.app import DEFAULT_MAX_CONVERSATIONS, DEFAULT_MAX_QUEUE, create_app
-from diffgemma.server.registry import SERVE_REWIND_SLACK
+from diffgemma.session.registry import SERVE_REWIND_SLACK
 
 log = logging.getLogger("diffgemma.server")
 

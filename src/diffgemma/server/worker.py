@@ -1,4 +1,5 @@
-"""The engine worker: one thread owns the model and every KV cache; jobs reach it through a bounded queue."""
+"""The engine worker: one thread owns the model and every KV cache (the token pipeline); jobs reach it through a
+bounded queue and run there, speaking the pipeline's ops."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any, Protocol
 
 from diffgemma.engine.generate import CancelToken
 from diffgemma.server.errors import APIError
-from diffgemma.server.registry import Registry
+from diffgemma.session.pipeline import Pipeline
 
 log = logging.getLogger("diffgemma.server")
 
@@ -22,7 +23,7 @@ class Job(Protocol):
     cancel: CancelToken
     enqueued_at: float
 
-    def run(self, registry: Registry) -> None: ...
+    def run(self, pipeline: Pipeline) -> None: ...
 
     def fail(self, error: APIError) -> None: ...
 
@@ -49,9 +50,9 @@ class Channel:
 
 class Worker:
     def __init__(
-        self, registry: Registry, max_queue: int, on_error: Callable[[BaseException], None] | None = None
+        self, pipeline: Pipeline, max_queue: int, on_error: Callable[[BaseException], None] | None = None
     ):
-        self.registry = registry
+        self.pipeline = pipeline
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._loop, name="diffgemma-engine", daemon=True)
         self._busy = False
@@ -93,7 +94,7 @@ class Worker:
                 if job.cancel.cancelled:
                     job.fail(APIError(499, "the client went away before its turn", code="cancelled"))
                 else:
-                    job.run(self.registry)
+                    job.run(self.pipeline)
             except APIError as exc:
                 job.fail(exc)
             except BaseException as exc:  # the worker must outlive any one request

@@ -11,7 +11,7 @@ from diffgemma.engine.engine import Engine, Prompt
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo
 from diffgemma.session import ops as O
 from diffgemma.session.oplog import OpLog
-from diffgemma.session.pipeline import Pipeline, sampler_fields
+from diffgemma.session.pipeline import Pipeline, call, sampler_fields
 
 
 class Session:
@@ -27,17 +27,7 @@ class Session:
     def _call(
         self, op: O.Op, on_event: Callable[[O.Event], None] | None = None, **kwargs: Any
     ) -> list[O.Event]:
-        events: list[O.Event] = []
-
-        def emit(event: O.Event) -> None:
-            events.append(event)
-            if on_event is not None:
-                on_event(event)
-
-        self.pipeline.run(op, emit, **kwargs)
-        if events and isinstance(events[-1], O.Failed):
-            raise ValueError(events[-1].message)
-        return events
+        return call(self.pipeline, op, on_event, **kwargs)
 
     @property
     def log(self) -> list[int]:

@@ -16,9 +16,9 @@ from diffgemma.engine.engine import Engine
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo, TokenLogprob, Turn, drive
 from diffgemma.engine.generate import prefill as prompt_prefill
 from diffgemma.engine.rng import Rng
-from diffgemma.server.registry import Registry, prefill
 from diffgemma.session import ops as O
 from diffgemma.session.conversation import Conversation, common_prefix
+from diffgemma.session.registry import Registry, prefill
 
 Emit = Callable[[O.Event], None]
 
@@ -315,6 +315,24 @@ class Pipeline:
         struck = cancel.struck_at if turn.out.finish_reason == "cancelled" else None
         self.last_output = turn.out
         emit(self._replied(turn, struck))
+
+
+def call(
+    pipeline: Any, op: O.Op, on_event: Callable[[O.Event], None] | None = None, **kwargs: Any
+) -> list[O.Event]:
+    """Run op on a pipeline (or a stage around one) and return its events; a `Failed` one raises ValueError with
+    its message, after `on_event` has seen the others."""
+    events: list[O.Event] = []
+
+    def emit(event: O.Event) -> None:
+        events.append(event)
+        if on_event is not None and not isinstance(event, O.Failed):
+            on_event(event)
+
+    pipeline.run(op, emit, **kwargs)
+    if events and isinstance(events[-1], O.Failed):
+        raise ValueError(events[-1].message)
+    return events
 
 
 def _logprob_json(t: TokenLogprob) -> list[Any]:

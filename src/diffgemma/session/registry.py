@@ -1,4 +1,5 @@
-"""Conversation routing: each request runs on the cached token log that shares its longest prefix.
+"""Conversation routing: each request runs on the cached token log that shares its longest prefix (the token
+pipeline's conversation table, `Route`).
 
 Only the engine worker thread touches a registry. A conversation's KV holds exactly its token log, and the
 KV of a prefix depends only on that prefix, so reusing the longest common prefix never lets one
