@@ -34,6 +34,9 @@ def _chat() -> None:
         device=None,
         dtype=None,
         threads=None,
+        log=None,
+        tool_validate=False,
+        tool_repair=False,
     )
 
 

@@ -3,6 +3,7 @@
 from diffgemma.config import ModelConfig, RuntimeConfig, SamplerConfig
 from diffgemma.engine.engine import Engine, load
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo
+from diffgemma.session.client import Session
 
 __all__ = [
     "CancelToken",
@@ -11,6 +12,7 @@ __all__ = [
     "ModelConfig",
     "RuntimeConfig",
     "SamplerConfig",
+    "Session",
     "StepInfo",
     "load",
 ]

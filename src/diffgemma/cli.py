@@ -1,6 +1,7 @@
-"""The `diffgemma` command line (typer): ask, chat, prompt, serve, replay, download, quantize, bench, train, eval.
+"""The `diffgemma` command line (typer): ask, chat, prompt, serve, replay, golden, download, quantize, bench, train,
+eval.
 
-Longer than 600 lines on purpose: each command's typer signature is its `--help`, and the ten of them are kept
+Longer than 600 lines on purpose: each command's typer signature is its `--help`, and the eleven of them are kept
 in one file as the command line's one reference; the work each command does lives in its own module."""
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ THREADS = typer.Option(
     None, "--threads", help="CPU threads (default: 1 for a small model such as the demo, else all cores)."
 )
 OPLOG = typer.Option(None, "--log", help="Append every op and event to this JSONL file (diffgemma replay).")
+TOOL_VALIDATE = typer.Option(
+    False,
+    "--tool-validate",
+    help="Retry a reply whose tool call does not parse, with the next seed (3 tries).",
+)
+TOOL_REPAIR = typer.Option(
+    False,
+    "--tool-repair",
+    help="Repair an invalid tool call off the record: error feedback, regenerate, rewind.",
+)
 # click's exceptions, wherever this typer takes click from (recent ones vendor it)
 _USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 _NO_ARGS_IS_HELP = getattr(sys.modules[_USAGE_ERROR.__module__], "NoArgsIsHelpError", ())
@@ -256,6 +267,8 @@ def ask(
     dtype: str | None = DTYPE,
     threads: int | None = THREADS,
     log: Path | None = OPLOG,
+    tool_validate: bool = TOOL_VALIDATE,
+    tool_repair: bool = TOOL_REPAIR,
 ) -> None:
     """Answer one prompt, streaming the reply as blocks commit."""
     from diffgemma.session.client import Session
@@ -267,7 +280,7 @@ def ask(
         # one reply: compiling would cost more than it saves (docs/performance.md, "torch.compile and warm-up")
         engine = load_engine(model, device, dtype, ctx, threads, compile=False)
         ids = _prompt_ids(engine, text, raw, think)
-        session = Session(engine, log=log)
+        session = Session(engine, log=log, tool_validate=tool_validate, tool_repair=tool_repair)
         out, wall = stream_reply(
             engine, session.generate, ids, json_out, max_new_tokens=max_tokens, seed=seed
         )
@@ -291,6 +304,8 @@ def chat(
     dtype: str | None = DTYPE,
     threads: int | None = THREADS,
     log: Path | None = OPLOG,
+    tool_validate: bool = TOOL_VALIDATE,
+    tool_repair: bool = TOOL_REPAIR,
 ) -> None:
     """Interactive chat with history; only each new turn is prefilled (the KV cache is reused)."""
     from diffgemma.session.client import Session
@@ -299,7 +314,7 @@ def chat(
         engine = load_engine(model, device, dtype, ctx, threads)
         if engine.tokenizer is None:
             raise CliError(f"{engine.path} has no tokenizer.json")
-        conv = Session(engine, log=log)
+        conv = Session(engine, log=log, tool_validate=tool_validate, tool_repair=tool_repair)
         messages: list[dict[str, Any]] = []
         tty = sys.stdin.isatty()
         warm = None
@@ -406,10 +421,14 @@ def serve(
     ),
     api_key: str | None = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY'."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests waiting beyond this get 503."),
-    log_dir: Path | None = typer.Option(None, "--log-dir", help="Write a JSONL request log here."),
+    log_dir: Path | None = typer.Option(
+        None, "--log-dir", help="Write the JSONL request log and op log (ops.jsonl: diffgemma replay) here."
+    ),
     device: str | None = DEVICE,
     dtype: str | None = DTYPE,
     threads: int | None = THREADS,
+    tool_validate: bool = TOOL_VALIDATE,
+    tool_repair: bool = TOOL_REPAIR,
 ) -> None:
     """OpenAI-compatible HTTP server."""
     from diffgemma.weights.download import resolve_model
@@ -430,6 +449,8 @@ def serve(
             device=device,
             dtype=dtype,
             threads=threads,
+            tool_validate=tool_validate,
+            tool_repair=tool_repair,
         )
 
 
@@ -461,6 +482,30 @@ def replay(
         )
         engine = diffgemma.load(path, max_tokens=first.get("ctx"), runtime=runtime)
         same, line = replay_log(log, engine)
+        print(line)
+        if not same:
+            raise typer.Exit(1)
+
+
+@app.command()
+def golden(
+    bless: bool = typer.Option(False, "--bless", help="Record the paths anew (after a deliberate change)."),
+    model: str | None = typer.Option(None, "-m", "--model", help="Default: the bundled demo model."),
+) -> None:
+    """The refactor gate: replay the golden session paths on the demo model (CPU, fp32) and diff every event."""
+    import diffgemma
+    from diffgemma.session import golden as G
+    from diffgemma.weights.download import bundled_model, resolve_model
+
+    with one_line_errors():
+        path = resolve_model(model) if model else bundled_model()
+        if path is None:
+            raise CliError("this build has no bundled demo model: pass -m", 2)
+        engine = diffgemma.load(path, device="cpu", dtype="float32", threads=1)
+        if bless:
+            print(f"recorded {len(G.PATHS)} paths into {G.bless(engine)}")
+            return
+        same, line = G.check(engine)
         print(line)
         if not same:
             raise typer.Exit(1)

@@ -186,8 +186,10 @@ class ModelRunner:
         if self.fast or not redo or not kv.knows_tokens() or not kv.can_truncate(pos - redo):
             return
         tokens = kv.tokens[pos - redo :]
+        cut = kv.cut
         kv.truncate(pos - redo)
         self.prefill(tokens, kv)
+        kv.cut = cut  # the chunk encoded again holds the same tokens: the log was cut at pos, not below
 
     # -- denoise -----------------------------------------------------------------------------------------
 

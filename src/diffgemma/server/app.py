@@ -36,7 +36,7 @@ from diffgemma.server.schema import (
     resolve_model,
 )
 from diffgemma.server.worker import Channel, QueueFull, Worker
-from diffgemma.session.oplog import OpLog
+from diffgemma.session.client import stages
 from diffgemma.session.pipeline import Pipeline
 
 log = logging.getLogger("diffgemma.server")
@@ -96,14 +96,16 @@ def create_app(
     log_dir: str | Path | None = None,
     max_conversations: int = DEFAULT_MAX_CONVERSATIONS,
     max_body_bytes: int = DEFAULT_MAX_BODY,
+    tool_validate: bool = False,
+    tool_repair: bool = False,
 ) -> FastAPI:
     """An app serving `engine` with a context of `ctx` tokens a conversation (default: the engine's; at most the
     model's positions). Its worker thread starts and stops with the app's lifespan."""
     model_id = model_id or model_id_of(engine)
     ctx = engine.config.context(ctx or engine.max_tokens, engine.max_tokens)
-    pipeline: Pipeline | OpLog = Pipeline(engine, ctx, max_conversations)
-    if log_dir:  # every op and event, for `diffgemma replay`
-        pipeline = OpLog(pipeline, Path(log_dir) / "ops.jsonl")
+    # every op and event to log_dir/ops.jsonl (`diffgemma replay`), the tool stages around it
+    ops_log = Path(log_dir) / "ops.jsonl" if log_dir else None
+    pipeline = stages(Pipeline(engine, ctx, max_conversations), ops_log, tool_validate, tool_repair)
     registry = pipeline.registry
     worker: Worker
     metrics = Metrics(queue_depth=lambda: worker.depth, conversations=lambda: len(registry))
@@ -122,7 +124,7 @@ def create_app(
             await run_in_threadpool(worker.stop)
             if request_log is not None:
                 request_log.close()
-            if isinstance(pipeline, OpLog):
+            if ops_log is not None:
                 pipeline.close()
 
     app = FastAPI(title="diffgemma", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -139,7 +141,7 @@ def create_app(
     app.add_middleware(_MetricsMiddleware, metrics=metrics)
     app.state.registry, app.state.worker, app.state.metrics = registry, worker, metrics
     app.state.pipeline = pipeline
-    app.state.op_log_path = pipeline.path if isinstance(pipeline, OpLog) else None
+    app.state.op_log_path = ops_log
     app.state.model_id, app.state.ctx = model_id, ctx
     app.state.request_log_path = request_log.path if request_log is not None else None
 

@@ -63,6 +63,8 @@ def serve(
     dtype: str | None = None,
     max_conversations: int = DEFAULT_MAX_CONVERSATIONS,
     threads: int | None = None,
+    tool_validate: bool = False,
+    tool_repair: bool = False,
 ) -> None:
     """Serve the model at `model_path` with the OpenAI API until interrupted. The context is `ctx`, at most the
     model's positions (default SERVE_CONTEXT capped at them), lowered to what memory holds."""
@@ -83,6 +85,8 @@ def serve(
         max_queue=max_queue,
         log_dir=log_dir,
         max_conversations=conversations,
+        tool_validate=tool_validate,
+        tool_repair=tool_repair,
     )
     log.info("serving %s at http://%s:%d/v1 (context %d)", app.state.model_id, host, port, ctx)
     uvicorn.run(app, host=host, port=port, log_level="info")

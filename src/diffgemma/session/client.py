@@ -12,16 +12,40 @@ from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo
 from diffgemma.session import ops as O
 from diffgemma.session.oplog import OpLog
 from diffgemma.session.pipeline import Pipeline, call, sampler_fields
+from diffgemma.session.tools import ToolRepair, ToolValidator
+
+
+def stages(pipeline: Pipeline, log: str | Path | None, tool_validate: bool, tool_repair: bool) -> Any:
+    """The pipeline with its stages: the op log innermost (it journals the ops the tool stages run), then the tool
+    stages."""
+    stage: Any = OpLog(pipeline, log) if log is not None else pipeline
+    if (tool_validate or tool_repair) and pipeline.engine.tokenizer is None:
+        raise ValueError(
+            f"{pipeline.engine.path or 'this model'} has no tokenizer.json: the tool stages parse replies"
+        )
+    if tool_validate:
+        stage = ToolValidator(stage, pipeline.engine.tokenizer)
+    if tool_repair:
+        stage = ToolRepair(stage, pipeline.engine.tokenizer)
+    return stage
 
 
 class Session:
     """One conversation on `engine`: `generate` reuses the cached prefix of each prompt and prefills the rest.
     With `log`, every op and event is appended to that JSONL file (`diffgemma replay` re-executes it)."""
 
-    def __init__(self, engine: Engine, log: str | Path | None = None, ctx: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        log: str | Path | None = None,
+        ctx: int | None = None,
+        tool_validate: bool = False,
+        tool_repair: bool = False,
+    ) -> None:
         self.engine = engine
-        pipeline = Pipeline(engine, ctx, max_conversations=1)
-        self.pipeline: Pipeline | OpLog = OpLog(pipeline, log) if log is not None else pipeline
+        self.pipeline: Any = stages(
+            Pipeline(engine, ctx, max_conversations=1), log, tool_validate, tool_repair
+        )
         self._call(O.Activate(0))
 
     def _call(

@@ -64,7 +64,7 @@ def header(pipeline: Pipeline) -> dict[str, Any]:
 class OpLog:
     """A stage around `inner`: each op, then each of its events, one JSON object a line, flushed as written."""
 
-    def __init__(self, inner: Pipeline, path: str | Path) -> None:
+    def __init__(self, inner: Pipeline, path: str | Path, label: str | None = None) -> None:
         self.inner = inner
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -73,7 +73,7 @@ class OpLog:
             os.fchmod(fd, FILE_MODE)
         self._file = os.fdopen(fd, "a", encoding="utf-8")
         self._lock = threading.Lock()
-        self._write({"header": header(inner)})
+        self._write({"header": {**header(inner), **({"label": label} if label else {})}})
 
     def _write(self, record: dict[str, Any]) -> None:
         with self._lock:
@@ -186,6 +186,10 @@ def _diff(logged: dict[str, Any], got: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _label(hdr: dict[str, Any]) -> str:
+    return f" ({hdr['label']})" if hdr.get("label") else ""
+
+
 def check_identity(session: Session, engine: Engine, path: str | Path) -> None:
     """ValueError (one line) when the log was recorded on other weights than `engine`'s."""
     want, have = session.header.get("model_id"), model_identity(engine.path)
@@ -234,15 +238,14 @@ def _replay(
                 on_op(step)
             for i, (a, b) in enumerate(zip(step.events, got, strict=False)):
                 if a != b:
-                    name = type(step.op).__name__
+                    where = f"line {step.line + 1 + i}{_label(hdr)}"
                     return (
                         False,
-                        f"line {step.line + 1 + i}: event {i + 1} of op {name} differs: {_diff(a, b)}",
+                        f"{where}: event {i + 1} of op {type(step.op).__name__} differs: {_diff(a, b)}",
                     )
             if len(step.events) != len(got):
-                name = type(step.op).__name__
-                return False, (
-                    f"line {step.line}: op {name} logged {len(step.events)} events, replayed {len(got)}"
-                )
+                where = f"line {step.line}{_label(hdr)}"
+                n = len(step.events)
+                return False, f"{where}: op {type(step.op).__name__} logged {n} events, replayed {len(got)}"
             events += len(got)
     return True, f"identical: {len(sessions)} session(s), {ops} ops, {events} events"
