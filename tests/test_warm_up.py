@@ -9,7 +9,7 @@ import torch
 import diffgemma
 from diffgemma import cli
 from diffgemma.config import RuntimeConfig
-from diffgemma.session import Conversation
+from diffgemma.session.client import Session
 
 # The regions a reply runs on the CPU's fast kernels: the prefill's set, and the denoise's (route and gelu_mul are
 # the fallbacks of Triton kernels that the CPU runs as torch ops outside the regions; the final softcap is the
@@ -84,7 +84,7 @@ def test_warm_up_is_a_no_op_on_the_reference_kernels(tiny_a):
 def test_chat_warms_up_while_the_first_message_is_typed(tiny_a, monkeypatch):
     eng = _fused(tiny_a)
     events: list[str] = []
-    real_warm_up, real_generate = eng.warm_up, Conversation.generate
+    real_warm_up, real_generate = eng.warm_up, Session.generate
 
     def warm_up():
         events.append("warm-up")
@@ -98,7 +98,7 @@ def test_chat_warms_up_while_the_first_message_is_typed(tiny_a, monkeypatch):
 
     lines = iter(["hello", "/quit"])
     monkeypatch.setattr(eng, "warm_up", warm_up)
-    monkeypatch.setattr(Conversation, "generate", generate)
+    monkeypatch.setattr(Session, "generate", generate)
     monkeypatch.setattr(cli, "load_engine", lambda *a: eng)
     monkeypatch.setattr(cli.sys.stdin, "isatty", lambda: True)
     monkeypatch.setattr(cli, "_read_line", lambda tty: next(lines))

@@ -429,6 +429,11 @@ def serve(
     threads: int | None = THREADS,
     tool_validate: bool = TOOL_VALIDATE,
     tool_repair: bool = TOOL_REPAIR,
+    tool_continuation: bool = typer.Option(
+        True,
+        "--tool-continuation/--no-tool-continuation",
+        help="With thinking on, a tool round's next round continues its raw log, reasoning included.",
+    ),
 ) -> None:
     """OpenAI-compatible HTTP server."""
     from diffgemma.weights.download import resolve_model
@@ -451,6 +456,7 @@ def serve(
             threads=threads,
             tool_validate=tool_validate,
             tool_repair=tool_repair,
+            tool_continuation=tool_continuation,
         )
 
 

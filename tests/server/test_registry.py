@@ -59,3 +59,34 @@ def test_memory_plan_bounds_context_and_conversations(engine, monkeypatch) -> No
     monkeypatch.setattr(run, "free_memory", lambda device: run.kv_bytes(engine, CTX) // 4)
     ctx, n = run.plan_memory(engine, CTX, 4)
     assert ctx < CTX and n == 1 and run.kv_bytes(engine, ctx) <= run.kv_bytes(engine, CTX) // 4
+
+
+def test_a_full_pool_salvages_a_long_prefix_in_place_and_re_prefills_the_rest(engine, caplog) -> None:
+    import logging
+
+    from diffgemma.session import registry as R
+
+    reg = Registry(engine, CTX, max_conversations=1)
+    prefix = engine.tokenizer.encode("word " * (R.SALVAGE_MIN_PREFIX + 20))
+    a = prefix + engine.tokenizer.encode(" first question")
+    conv = reg.route(a)
+    assert reg.decision == "new"
+    conv.generate(a, max_new_tokens=8, seed=1)
+    with caplog.at_level(logging.INFO, logger="diffgemma.server"):
+        again = reg.route(prefix + engine.tokenizer.encode(" second"))
+    assert again is conv and reg.decision == "salvage" and len(conv.log) > len(prefix)  # the caller cuts
+    assert "route: salvage (shared prefix" in caplog.text
+    assert (
+        reg.route(prefix[:5] + engine.tokenizer.encode("unrelated")) is conv and reg.decision == "re-prefill"
+    )
+    assert conv.log == []  # five shared tokens are not worth keeping: prefilled anew
+
+    two = Registry(engine, CTX, max_conversations=2)
+    x = two.route(a)
+    x.generate(a, max_new_tokens=8, seed=1)
+    y = two.route(engine.tokenizer.encode("other " * 40))
+    y.generate(engine.tokenizer.encode("other " * 40), max_new_tokens=8, seed=1)
+    z = two.route(prefix + engine.tokenizer.encode(" second"))  # every slot taken, a long shared prefix
+    assert z is x and two.decision == "salvage"
+    w = two.route(a[:40] + engine.tokenizer.encode(" elsewhere"))  # a short prefix: a copy into the LRU slot
+    assert w is y and two.decision == "fork"

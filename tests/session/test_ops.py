@@ -155,10 +155,10 @@ def test_align_finalize_splice_fill_and_fingerprints(eng):
 
 def test_routing_activates_the_longest_prefix_and_new_ids_in_order(eng):
     p = Pipeline(eng, max_conversations=2)
-    assert one(p, O.Route(PROMPT)) == O.Activated(0, (0, 0), 0)
+    assert one(p, O.Route(PROMPT)) == O.Activated(0, (0, 0), 0, "new")
     run(p, O.Generate(PROMPT, max_new_tokens=8))
     routed = one(p, O.Route(PROMPT + [900]))
-    assert routed.conv == 0 and routed.shared == len(PROMPT)
+    assert routed.conv == 0 and routed.shared == len(PROMPT) and routed.route == "continue"
     assert one(p, O.Activate(1)).conv == 1
     failed = one(p, O.Activate(5))
     assert isinstance(failed, O.Failed) and "next id, 2" in failed.message

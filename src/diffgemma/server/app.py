@@ -35,6 +35,7 @@ from diffgemma.server.schema import (
     request_body,
     resolve_model,
 )
+from diffgemma.server.toolturns import THOUGHT_OPEN, ToolRounds, continuation_ids
 from diffgemma.server.worker import Channel, QueueFull, Worker
 from diffgemma.session.client import stages
 from diffgemma.session.pipeline import Pipeline
@@ -98,6 +99,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY,
     tool_validate: bool = False,
     tool_repair: bool = False,
+    tool_continuation: bool = True,
 ) -> FastAPI:
     """An app serving `engine` with a context of `ctx` tokens a conversation (default: the engine's; at most the
     model's positions). Its worker thread starts and stops with the app's lifespan."""
@@ -107,6 +109,7 @@ def create_app(
     ops_log = Path(log_dir) / "ops.jsonl" if log_dir else None
     pipeline = stages(Pipeline(engine, ctx, max_conversations), ops_log, tool_validate, tool_repair)
     registry = pipeline.registry
+    tool_rounds = ToolRounds(keep=2 * max_conversations) if tool_continuation else None
     worker: Worker
     metrics = Metrics(queue_depth=lambda: worker.depth, conversations=lambda: len(registry))
     worker = Worker(pipeline, max_queue)
@@ -218,7 +221,7 @@ def create_app(
             )
         return min(req.max_tokens or ctx, ctx - n)
 
-    def chat_prompt(req: ChatRequest) -> tuple[list[int], list[int], list[dict[str, Any]] | None, int]:
+    def chat_prompt(req: ChatRequest) -> tuple[list[int], list[int], list[dict[str, Any]] | None, int, bool]:
         if tok is None:
             raise invalid("this model has no tokenizer; use /v1/completions with token ids")
         tools = None if req.tool_choice.mode == "none" else req.tools
@@ -233,7 +236,12 @@ def create_app(
             # Forcing the reply to open a tool call is the grammar-level way to require one; the name is text.
             name = req.tool_choice.name
             forced = tok.encode("<|tool_call>") + tok.encode_text("call:" + (name + "{" if name else ""))
-        return ids, forced, tools, budget(len(ids) + len(forced), req, "messages")
+        thought_open = tool_rounds is not None and bool(tools) and req.think and not forced
+        if thought_open:  # tool-turn continuation (server.toolturns): the thought channel seeded open
+            round_ = tool_rounds.match(req.messages, tools)
+            cont = continuation_ids(tok, round_, req.messages, tools) if round_ is not None else None
+            ids = cont if cont is not None else ids + tok.encode(THOUGHT_OPEN)
+        return ids, forced, tools, budget(len(ids) + len(forced), req, "messages"), thought_open
 
     def completion_prompt(req: CompletionRequest) -> tuple[list[int], int]:
         if isinstance(req.prompt, str):
@@ -332,9 +340,10 @@ def create_app(
         check_auth(request)
         body = await read_json(request)
         req = parse_chat(body, model_id, engine.sampler)
-        ids, forced, tools, max_new = await run_in_threadpool(chat_prompt, req)
+        ids, forced, tools, max_new, thought_open = await run_in_threadpool(chat_prompt, req)
         channel, cancel = Channel(), CancelToken()
-        submit(ChatJob(req, ids, forced, max_new, tok, tools, metrics, channel, cancel))
+        rounds = tool_rounds if thought_open else None
+        submit(ChatJob(req, ids, forced, max_new, tok, tools, metrics, channel, cancel, rounds))
         rid = R.new_id("chatcmpl")
         if req.stream:
             return StreamingResponse(

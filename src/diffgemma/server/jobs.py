@@ -22,6 +22,7 @@ from diffgemma.engine.generate import CancelToken, GenerateOutput, TokenLogprob
 from diffgemma.server.errors import APIError
 from diffgemma.server.metrics import Metrics
 from diffgemma.server.schema import ChatRequest, CompletionRequest
+from diffgemma.server.toolturns import ToolRound, ToolRounds
 from diffgemma.server.worker import Channel
 from diffgemma.session import ops as O
 from diffgemma.session.pipeline import Pipeline, call, sampler_fields
@@ -203,12 +204,16 @@ class ChatJob(_Base):
         metrics: Metrics,
         channel: Channel,
         cancel: CancelToken,
+        tool_rounds: ToolRounds | None = None,
     ) -> None:
         super().__init__(ids, max_new, metrics, channel, cancel)
         self.req = request
         self.forced = forced  # reply tokens the prompt forces (tool_choice required / named)
         self.tok = tokenizer
         self.render_tools = render_tools
+        # tool-turn continuation (server.toolturns): the prompt opened the thought channel; a round that ends in tool
+        # calls keeps its raw log and is remembered for the next round
+        self.tool_rounds = tool_rounds
 
     def run(self, pipeline: Pipeline) -> None:
         """Generate, retrying with a new seed (up to VALIDATION_ATTEMPTS) a reply that fails validation
@@ -273,7 +278,7 @@ class ChatJob(_Base):
         """One generation. With `emit` (streaming) events go out as blocks commit; a bad tool call before any
         of them did stops the attempt (when `hold_bad`, so that a retry repeats nothing)."""
         events: list[Delta] = []
-        parser = StreamParser(self.tok)
+        parser = StreamParser(self.tok, thinking_open=self.tool_rounds is not None)
         parser.feed(self.forced)  # puts the parser inside the forced tool call: no events yet
         stops = StopFilter(self.req.stop)
         cancel = LinkedCancel(self.cancel)
@@ -362,7 +367,14 @@ class ChatJob(_Base):
     def _finalize(self, pipeline: Pipeline, att: _Attempt) -> None:
         """Re-render the finished turn as the client will send it back and make the KV hold exactly that.
         A tool-calling turn is rendered with empty content, so it ends at the `<|tool_response>` opener
-        and the client's next request (which adds the results) extends it."""
+        and the client's next request (which adds the results) extends it. Under tool-turn continuation a round
+        that ends in tool calls keeps its raw log instead (reasoning included), which the next round extends."""
+        if self.tool_rounds is not None and att.finish == "tool_calls":
+            # the reply's own tokens, then the response opener the canonical form of a call ends with
+            raw = self.ids + self.forced + att.out.token_ids + [self.tok.token_to_id("<|tool_response>")]
+            call(pipeline, O.Finalize(raw))
+            self.tool_rounds.remember(ToolRound(self.req.messages, att.calls, raw, self.render_tools))
+            return
         calls = [
             {
                 "id": c["id"],

@@ -65,6 +65,7 @@ def serve(
     threads: int | None = None,
     tool_validate: bool = False,
     tool_repair: bool = False,
+    tool_continuation: bool = True,
 ) -> None:
     """Serve the model at `model_path` with the OpenAI API until interrupted. The context is `ctx`, at most the
     model's positions (default SERVE_CONTEXT capped at them), lowered to what memory holds."""
@@ -87,6 +88,7 @@ def serve(
         max_conversations=conversations,
         tool_validate=tool_validate,
         tool_repair=tool_repair,
+        tool_continuation=tool_continuation,
     )
     log.info("serving %s at http://%s:%d/v1 (context %d)", app.state.model_id, host, port, ctx)
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -212,6 +212,7 @@ class Activated(Event):
     conv: int
     kv: KvId
     shared: int = 0  # Route: the prompt tokens already cached
+    route: str = ""  # Route: new, continue, fork, salvage or re-prefill (`Registry.route`)
 
 
 @dataclass(frozen=True)

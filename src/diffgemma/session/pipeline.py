@@ -148,7 +148,7 @@ class Pipeline:
     def _route(self, op: O.Route, emit: Emit, **_: Any) -> None:
         self.active = self.registry.route(list(op.ids))
         shared = common_prefix(self.active.log, list(op.ids))
-        emit(O.Activated(self._lineage(self.active).conv, self.kv_id(), shared))
+        emit(O.Activated(self._lineage(self.active).conv, self.kv_id(), shared, self.registry.decision))
 
     def _activate(self, op: O.Activate, emit: Emit, **_: Any) -> None:
         for conv in self.registry.conversations:

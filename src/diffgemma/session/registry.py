@@ -23,6 +23,10 @@ log = logging.getLogger("diffgemma.server")
 
 # Below this many shared tokens a divergent request starts a fresh conversation rather than copying KV.
 MIN_FORK_TOKENS = 16
+# The seed's salvage rule with every slot taken: a divergent request that shares at least this long a prefix ...
+SALVAGE_MIN_PREFIX = 256
+# ... with at most this many cached tokens after it cuts that tail in place (anything deeper is a re-prefill)
+SALVAGE_MAX_TAIL = 512
 # A served reply is rewound and re-rendered after each turn; keep replies up to this long rewindable
 # (0.2 MB per slot on the real model) instead of re-prefilling the whole conversation.
 SERVE_REWIND_SLACK = 4096
@@ -36,6 +40,7 @@ class Registry:
         self.ctx = ctx
         self.max_conversations = max_conversations
         self.conversations: list[Conversation] = []
+        self.decision = ""  # how the last `route` chose: new, continue, fork, salvage or re-prefill
         self._used: dict[int, float] = {}  # id(conversation) -> last use
 
     def __len__(self) -> int:
@@ -61,20 +66,46 @@ class Registry:
         return conv
 
     def route(self, ids: list[int]) -> Conversation:
-        """The conversation to run `ids` on. A request that extends a log, or repeats a prefix of it, continues it;
-        one that diverges from a log gets a copy of the shared prefix, so the other branch stays cached for its own
-        client."""
+        """The conversation to run `ids` on; `decision` says how it was chosen. A request that extends a log, or
+        repeats a prefix of it, continues it. One that diverges from a log gets a copy of the shared prefix while a
+        slot is free, so the other branch stays cached for its own client; with every slot taken, a shared prefix of
+        SALVAGE_MIN_PREFIX or more whose divergent tail is at most SALVAGE_MAX_TAIL is salvaged in place (the seed's
+        rule: the tail is cut, the prefix reused), a shorter one is copied into the least recently used slot, and
+        anything else is prefilled anew. Every choice but continuing is logged with its numbers."""
         best, shared = None, 0
         for conv in sorted(self.conversations, key=lambda c: -self._used[id(c)]):
             n = common_prefix(conv.log, ids)
             if n > shared:
                 best, shared = conv, n
         if best is None:
+            self.decision = "new"
             return self.touch(self.blank())
         # It extends the log, or repeats a prefix of it (a retried turn, an identical request): its own cache.
-        if shared in (len(best.log), len(ids)) or self.max_conversations == 1:
+        if shared in (len(best.log), len(ids)):
+            self.decision = "continue"
             return self.touch(best)
-        if shared < MIN_FORK_TOKENS or not best.kv.can_truncate(shared):
+        tail = len(best.log) - shared
+        cuttable = best.kv.can_truncate(shared)
+        free = len(self.conversations) < self.max_conversations
+        salvage = shared >= SALVAGE_MIN_PREFIX and tail <= SALVAGE_MAX_TAIL
+        if self.max_conversations == 1:  # nowhere to fork to: cut in place whatever the ring allows
+            salvage = shared >= MIN_FORK_TOKENS
+        forkable = cuttable and shared >= MIN_FORK_TOKENS and self.max_conversations > 1
+        if forkable and free:
+            self.decision = "fork"
+        elif cuttable and salvage:
+            self.decision = "salvage"
+        elif forkable:
+            self.decision = "fork"
+        else:
+            self.decision = "re-prefill"
+        log.info("route: %s (shared prefix %d, divergent cached tail %d)", self.decision, shared, tail)
+        if self.decision == "salvage":
+            return self.touch(best)  # the caller's AlignTo cuts the tail
+        if self.decision == "re-prefill":
+            if self.max_conversations == 1:
+                best.reset()
+                return self.touch(best)
             return self.touch(self.blank(keep=best))
         fork = self.blank(keep=best)
         copy_prefix(best.kv, fork.kv, shared)
