@@ -171,6 +171,9 @@ def test_ask_runs_the_regions_eagerly(tiny_a, monkeypatch, capsys):
         device=None,
         dtype=None,
         threads=None,
+        log=None,
+        tool_validate=False,
+        tool_repair=False,
     )
     assert '"completion_tokens": 8' in capsys.readouterr().out
     assert asked == {"compile": False}  # the fast kernels (and on CUDA their graphs), without torch.compile

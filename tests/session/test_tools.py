@@ -63,6 +63,7 @@ def test_repair_evaporates_the_bad_exchange(eng, monkeypatch, tmp_path):
     out = s.generate(prompt, seed=1, max_new_tokens=64)
     clean = tok.encode("I could not reach the weather tool.")
     assert out.token_ids == clean and out.text == "I could not reach the weather tool."
+    assert out.prompt_tokens == len(prompt)
     assert (out.finish_reason, out.stop_token) == ("stop", opener)
     assert opener in script.stops[0] and opener not in script.stops[1]  # regenerated to a natural end
     assert s.log == prompt  # rewound: neither the bad call nor the feedback stays cached

@@ -47,6 +47,8 @@ class _Stage:
             self._generate(op, emit, **kwargs)
         except ValueError as e:
             emit(O.Failed(str(e)))
+            return
+        self.inner.last_output.prompt_tokens = len(op.ids)  # the stage prefilled them before its Generate ops
 
     def _start(self, op: O.Generate) -> O.KvId:
         """Extend by the op's prompt and mark its end: where every attempt starts."""
