@@ -89,6 +89,75 @@ class GenerateOutput:
         return len(self.token_ids) / total if total > 0 else 0.0
 
 
+class Canvas:
+    """One canvas of a block being denoised: the state seed §6's step loop carries (the canvas, the block's noise,
+    the next step's SC input, the stop rules' history), advanced by `step` one forward's logits at a time. The
+    forward is the caller's: one canvas (`denoise_block`) or several in one pass (`engine.batch`)."""
+
+    def __init__(
+        self,
+        vocab: int,
+        cfg: SamplerConfig,
+        seed: int,
+        length: int,
+        device: torch.device,
+        block_index: int = 0,
+        logprobs: int | None = None,
+        softcap: float | None = None,
+    ):
+        self.cfg, self.length, self.block, self.logprobs, self.softcap = (
+            cfg,
+            length,
+            block_index,
+            logprobs,
+            softcap,
+        )
+        rng = Rng(seed)
+        n = self.steps_max = cfg.max_denoising_steps
+        # All noise for the block in one host->device copy: the initial canvas, then one row per step.
+        self.noise = torch.from_numpy(rng.tokens((n + 1) * length, vocab).reshape(n + 1, length)).to(device)
+        self.uniforms = None
+        if not cfg.denoiser_argmax:
+            self.uniforms = torch.from_numpy(rng.uniforms(n * length).reshape(n, length)).to(device)
+        self.ids = self.noise[0]
+        self.filler = S.filler_id(vocab)
+        self.stops = S.StopState(cfg, cfg.pad_token_id, self.filler)
+        self.stats: S.RowStats | None = None
+        self.i = 0  # executed steps
+        self.done = False
+        self.result: BlockResult | None = None
+
+    def sc_input(self) -> tuple[torch.Tensor | None, bool, bool]:
+        """The next forward's self-conditioning: (probs, seed, exact), as `DiffusionGemma.denoise` takes them."""
+        if self.stats is not None:
+            return self.stats.sc, False, not self.cfg.sc_sparse
+        return None, self.cfg.first_step_sc_seed, False
+
+    def step(self, logits: torch.Tensor, sc_out: torch.Tensor | None) -> StepInfo:
+        """Advance by one forward's logits [C, V] (before the final softcap): the sampler's row pass (the next SC
+        input into `sc_out` when sparse), accept, renoise, the stop rules."""
+        cfg, i = self.cfg, self.i
+        temp = S.temperature(cfg, self.steps_max - i)
+        stats = self.stats = S.row_stats(
+            logits, temp, cfg.sc_sparse, self.uniforms is not None, sc_out, self.softcap
+        )
+        invalid = S.guard_invalid_rows(stats, self.filler)
+        mask = S.accept_mask(stats.entropy, cfg.entropy_bound)
+        denoised = stats.argmax
+        if self.uniforms is not None:
+            denoised = torch.where(invalid, self.filler, S.categorical(stats.probs, self.uniforms[i]))
+        self.ids = torch.where(mask, denoised, self.noise[i + 1])  # renoise every non-accepted row
+        stop = self.stops.update(i + 1, stats.argmax, stats.entropy, mask)
+        self.i = i + 1
+        info = StepInfo(self.block, i + 1, temp, stats.argmax, mask, stats.entropy.mean())
+        if bool(stop) or self.i == self.steps_max:  # the one host read per step
+            self.done = True
+            self.result = BlockResult(stats.argmax.tolist(), stats.p_max.tolist(), self.i)
+            if self.logprobs is not None:  # the last step's logits are still in place (no step ran after it)
+                self.result.logprobs = token_logprobs(logits, stats.argmax, self.logprobs, self.softcap)
+        return info
+
+
 def denoise_block(
     model: ModelRunner,
     kv: KVCache,
@@ -102,30 +171,21 @@ def denoise_block(
 ) -> BlockResult | None:
     """Run the entropy-bound loop on one canvas; None if cancelled. Reads `kv`, never writes it. With `logprobs`
     (k >= 0), each row's committed token's log probability and its top k alternatives (`TokenLogprob`)."""
-    device, vocab = model.device, model.cfg.vocab_size
-    rng = Rng(seed)
-    n = cfg.max_denoising_steps
-    # All noise for the block in one host->device copy: the initial canvas, then one row per step.
-    noise = torch.from_numpy(rng.tokens((n + 1) * canvas_len, vocab).reshape(n + 1, canvas_len)).to(device)
-    uniforms = None
-    if not cfg.denoiser_argmax:
-        uniforms = torch.from_numpy(rng.uniforms(n * canvas_len).reshape(n, canvas_len)).to(device)
-    canvas = noise[0]
-    filler = S.filler_id(vocab)
-    stops = S.StopState(cfg, cfg.pad_token_id, filler)
-    stats = None
-    for i in range(n):
+    vocab = model.cfg.vocab_size
+    canvas = Canvas(
+        vocab, cfg, seed, canvas_len, model.device, block_index, logprobs, model.cfg.final_logit_softcapping
+    )
+    while not canvas.done:
         if cancel is not None and cancel.cancelled:
             return None
-        remaining = n - i
-        temp = S.temperature(cfg, remaining)
         # The logits are the graph's own buffer before the final softcap (raw=True), which the sampler's row pass
         # applies as it reads them, before the next step overwrites them; the next SC input goes straight into
         # the graph's input buffer once there is one.
-        if stats is not None:
-            logits = model.denoise(canvas[None], kv, sc_probs=stats.sc, sc_exact=not cfg.sc_sparse, raw=True)
+        probs, seed_sc, exact = canvas.sc_input()
+        if probs is not None:
+            logits = model.denoise(canvas.ids[None], kv, sc_probs=probs, sc_exact=exact, raw=True)
         else:
-            logits = model.denoise(canvas[None], kv, sc_seed=cfg.first_step_sc_seed, raw=True)
+            logits = model.denoise(canvas.ids[None], kv, sc_seed=seed_sc, raw=True)
         # The dense SC input is the exact path: fp32 probabilities, not the graph's 16-bit buffer (seed §5).
         sc_out = None
         if cfg.sc_sparse:
@@ -135,26 +195,11 @@ def denoise_block(
                 # SC input was one ulp off the sampler's own rounding in a few elements, so a first request that
                 # captured graphs got other ids than the same request later (docs/performance.md, "Sampler row
                 # pass").
-                sc_out = torch.empty(canvas_len, vocab, device=device, dtype=model.dtype)
-        stats = S.row_stats(
-            logits[0], temp, cfg.sc_sparse, uniforms is not None, sc_out, model.cfg.final_logit_softcapping
-        )
-        invalid = S.guard_invalid_rows(stats, filler)
-        mask = S.accept_mask(stats.entropy, cfg.entropy_bound)
-        denoised = stats.argmax
-        if uniforms is not None:
-            denoised = torch.where(invalid, filler, S.categorical(stats.probs, uniforms[i]))
-        canvas = torch.where(mask, denoised, noise[i + 1])  # renoise every non-accepted row
-        stop = stops.update(i + 1, stats.argmax, stats.entropy, mask)
+                sc_out = torch.empty(canvas_len, vocab, device=model.device, dtype=model.dtype)
+        info = canvas.step(logits[0], sc_out)
         if on_step is not None:
-            on_step(StepInfo(block_index, i + 1, temp, stats.argmax, mask, stats.entropy.mean()))
-        if bool(stop):  # the one host read per step
-            break
-    assert stats is not None
-    res = BlockResult(stats.argmax.tolist(), stats.p_max.tolist(), i + 1)
-    if logprobs is not None:  # the last step's logits are still in place (no step ran after it)
-        res.logprobs = token_logprobs(logits[0], stats.argmax, logprobs, model.cfg.final_logit_softcapping)
-    return res
+            on_step(info)
+    return canvas.result
 
 
 def token_logprobs(raw: torch.Tensor, chosen: torch.Tensor, k: int, softcap: float) -> list[TokenLogprob]:
@@ -260,16 +305,8 @@ class Turn:
         self, on_step: Callable[[StepInfo], None] | None = None, cancel: CancelToken | None = None
     ) -> Proposal | None:
         """Denoise the next canvas; None (and the turn ends "cancelled") if `cancel` fires first."""
-        if self.done or self.proposal is not None:
-            raise RuntimeError("propose needs an open turn without a proposal pending")
-        out = self.out
+        self.prefill_pending()
         t0 = time.perf_counter()
-        if self.pending:
-            prefill(self.model, self.pending, self.kv, self.cfg)
-            self.pending = []
-            _sync(self.model)
-            out.prefill_seconds += time.perf_counter() - t0
-            t0 = time.perf_counter()
         res = denoise_block(
             self.model,
             self.kv,
@@ -281,7 +318,33 @@ class Turn:
             self.block,
             self.logprobs,
         )
-        out.denoise_seconds += time.perf_counter() - t0
+        self.out.denoise_seconds += time.perf_counter() - t0
+        return self.propose_from(res)
+
+    def prefill_pending(self) -> None:
+        """Open the next proposal: prefill what the last commit left pending."""
+        if self.done or self.proposal is not None:
+            raise RuntimeError("propose needs an open turn without a proposal pending")
+        if self.pending:
+            t0 = time.perf_counter()
+            prefill(self.model, self.pending, self.kv, self.cfg)
+            self.pending = []
+            _sync(self.model)
+            self.out.prefill_seconds += time.perf_counter() - t0
+
+    def canvas(self) -> Canvas:
+        """The next proposal's canvas, for a caller that runs its forwards (`engine.batch`); `prefill_pending`
+        first, `propose_from(canvas.result)` when it is done."""
+        m = self.model.cfg
+        seed = block_seed(self.seed, self.block, self.retry)
+        return Canvas(
+            m.vocab_size, self.cfg, seed, self.length, self.model.device, self.block, self.logprobs,
+            m.final_logit_softcapping,
+        )  # fmt: skip
+
+    def propose_from(self, res: BlockResult | None) -> Proposal | None:
+        """The proposal of a denoised canvas's result (None: cancelled, and the turn ends so)."""
+        out = self.out
         if res is None:
             self.done = True
             out.finish_reason = "cancelled"

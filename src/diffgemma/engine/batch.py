@@ -1,0 +1,129 @@
+"""Many canvases per forward: `denoise_step` advances several canvases (each after its own cache, each under its own
+sampler config) with one pass of the model, and `Scheduler` runs many turns on it, one forward a step for all of
+their canvases. A block that finishes commits (its prefill runs before its turn's next canvas) while the others keep
+denoising; a request's tokens do not depend on what shares its forward.
+
+Each canvas's decoder input (its embeddings and the SC MLP on its own soft signal: probabilities, the first-step
+seed, or none, exact or not) is computed on its own rows, as a lone canvas's is; the layers and the LM head then run
+once over every canvas's rows. On the reference kernels (any device) that is the same arithmetic row for row."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from diffgemma.engine.generate import CancelToken, Canvas, StepInfo, Turn, default_commit
+from diffgemma.model.kv_cache import KVCache
+from diffgemma.model.passes import Pass
+
+
+@torch.no_grad()
+def denoise_step(model, items: list[tuple[Canvas, KVCache]]) -> list[StepInfo]:
+    """One forward for every (canvas, cache) of equal canvas length, then each canvas's step. `model` is the
+    `DiffusionGemma` (the runner's `.model`)."""
+    if not items:
+        return []
+    c = items[0][0].length
+    if any(cv.length != c for cv, _ in items):
+        raise ValueError("denoise_step takes canvases of one length")
+    x = []
+    for cv, _ in items:
+        probs, seed, exact = cv.sc_input()
+        x.append(model.decoder_input(model.check_ids(cv.ids, 1).reshape(-1), probs, seed, exact))
+    h = model.layers_forward(torch.cat(x), Pass.denoise([kv for _, kv in items], c))
+    logits = model.logits(h, raw=True).view(len(items), c, -1)
+    infos = []
+    for b, (cv, _) in enumerate(items):
+        sc_out = None
+        if cv.cfg.sc_sparse:  # in the model's dtype, as a lone canvas's buffer is (`denoise_block`)
+            sc_out = torch.empty(c, logits.shape[-1], device=logits.device, dtype=model.dtype)
+        infos.append(cv.step(logits[b], sc_out))
+    return infos
+
+
+@dataclass
+class Request:
+    """A turn in the scheduler, with its callbacks: `on_step(info)` after each of its denoise steps, `on_commit(turn,
+    kept)` after each commit; `cancel` is checked before each of its steps."""
+
+    turn: Turn
+    on_step: Callable[[StepInfo], None] | None = None
+    on_commit: Callable[[Turn, list[int]], None] | None = None
+    cancel: CancelToken | None = None
+    canvas: Canvas | None = field(default=None, repr=False)
+
+    @property
+    def done(self) -> bool:
+        return self.turn.done
+
+
+class Scheduler:
+    """Turns advanced together: each `step` opens a canvas for every turn that needs one (prefilling its last
+    commit first), drops cancelled turns, runs one forward per canvas length over at most `max_batch` canvases, and
+    commits (or re-rolls) the blocks that finished under the contract's policy (`default_commit`)."""
+
+    def __init__(self, model, max_batch: int = 16) -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        self.model = model  # the runner: its prefill routes; the forward is its `.model`'s
+        self.max_batch = max_batch
+        self.requests: list[Request] = []
+        self.forwards: list[int] = []  # canvases a forward, one entry a forward (metrics, tests)
+
+    def submit(self, request: Request) -> Request:
+        self.requests.append(request)
+        return request
+
+    @property
+    def active(self) -> list[Request]:
+        return [r for r in self.requests if not r.done]
+
+    def step(self) -> None:
+        live = []
+        for r in self.active:
+            if r.cancel is not None and r.cancel.cancelled:
+                if r.canvas is None:
+                    r.turn.prefill_pending()  # a commit is prefilled before the turn ends, as a lone turn's is
+                r.turn.propose_from(None)
+                r.canvas = None
+                continue
+            if r.canvas is None:
+                r.turn.prefill_pending()
+                r.canvas = r.turn.canvas()
+            live.append(r)
+        by_length: dict[int, list[Request]] = {}
+        for r in live[: self.max_batch]:
+            by_length.setdefault(r.canvas.length, []).append(r)
+        for group in by_length.values():
+            t0 = time.perf_counter()
+            infos = denoise_step(self.model.model, [(r.canvas, r.turn.kv) for r in group])
+            self.forwards.append(len(group))
+            for r, info in zip(group, infos, strict=True):
+                r.turn.out.denoise_seconds += time.perf_counter() - t0  # the forward it waited for
+                if r.on_step is not None:
+                    r.on_step(info)
+                if r.canvas.done:
+                    self._finish_block(r)
+        # the finished leave; past max_batch the others wait, and the order rotates so that each gets its turn
+        active = self.active
+        self.requests = active[self.max_batch :] + active[: self.max_batch]
+
+    def _finish_block(self, r: Request) -> None:
+        turn, canvas = r.turn, r.canvas
+        r.canvas = None
+        prop = turn.propose_from(canvas.result)
+        kept_len = default_commit(turn, prop)
+        if kept_len is None:
+            turn.discard()
+            return
+        kept = turn.commit(kept_len)
+        if r.on_commit is not None:
+            r.on_commit(turn, kept)
+
+    def run(self) -> None:
+        """Step until every submitted turn is done."""
+        while self.active:
+            self.step()

@@ -1,0 +1,113 @@
+"""Many canvases per forward on CPU (fp32): a mixed batch of turns (prompt lengths, seeds, sampler settings, canvas
+lengths, one cancelled midway) through the scheduler gives every request the tokens and the cache bytes of its solo
+run; a forward holds several canvases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import diffgemma
+from diffgemma.engine.batch import Request, Scheduler, denoise_step
+from diffgemma.engine.generate import CancelToken, Canvas, generate
+
+
+class AfterSteps(CancelToken):
+    """Cancels its own request after n of its denoise steps."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.seen = n, 0
+
+    def step(self, info) -> None:
+        self.seen += 1
+
+    @property
+    def cancelled(self) -> bool:
+        return self.seen >= self.n
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_a):
+    return diffgemma.load(tiny_a, device="cpu", dtype="float32", max_tokens=512)
+
+
+def _mix(eng):
+    base = eng.sampler
+    texts = [
+        "Hi",
+        "What is 17 + 25?",
+        "Tell me about the sea " * 6,
+        "Count to ten.",
+        "ok",
+        "A list of fruits " * 3,
+    ]
+    cfgs = [
+        base,
+        base.replace(entropy_bound=0.3, max_denoising_steps=6),
+        base.replace(first_step_sc_seed=False),
+        base.replace(sc_sparse=False),
+        base.replace(denoiser_argmax=False),  # categorical draws from the block's own uniforms
+        base.replace(canvas_shrink=True),  # a shorter last canvas: a forward of its own length
+        base.replace(commit_conf_trim=0.0, plateau_steps=0),
+        base,
+    ]
+    return [
+        (eng.prompt_ids(texts[i % len(texts)] + f" ({i})"), cfgs[i], 100 + i, 24 + 5 * i, i == 6)
+        for i in range(8)
+    ]
+
+
+def _solo(eng, ids, cfg, seed, max_new, cancel_after):
+    kv = eng.runner.new_cache(512)
+    cancel = AfterSteps(7) if cancel_after else None
+    out = generate(
+        eng.runner, ids, kv, cfg, seed, max_new, on_step=cancel.step if cancel else None, cancel=cancel
+    )
+    return out, kv.fingerprint()
+
+
+def test_a_mixed_batch_gives_every_request_its_solo_tokens_and_cache(eng):
+    mix = _mix(eng)
+    sched = Scheduler(eng.runner, max_batch=8)
+    reqs = []
+    for ids, cfg, seed, max_new, cancel_after in mix:
+        kv = eng.runner.new_cache(512)
+        cancel = AfterSteps(7) if cancel_after else None
+        turn = eng.turn(ids, kv, cfg, seed, max_new)
+        reqs.append(sched.submit(Request(turn, on_step=cancel.step if cancel else None, cancel=cancel)))
+    sched.run()
+    assert max(sched.forwards) >= 6 and len(sched.forwards) < sum(r.turn.out.steps for r in reqs)
+    for (ids, cfg, seed, max_new, cancel_after), r in zip(mix, reqs, strict=True):
+        solo, fingerprint = _solo(eng, ids, cfg, seed, max_new, cancel_after)
+        got = r.turn.out
+        assert (got.token_ids, got.finish_reason, got.steps, got.blocks, got.retries) == (
+            solo.token_ids, solo.finish_reason, solo.steps, solo.blocks, solo.retries
+        )  # fmt: skip
+        assert r.turn.kv.fingerprint() == fingerprint
+    assert reqs[6].turn.out.finish_reason == "cancelled"
+    assert (
+        sum(len(r.turn.out.token_ids) > 16 for r in reqs) >= 3
+    )  # several blocks, committed while others denoise
+
+
+def test_max_batch_bounds_a_forward_and_the_rest_wait_their_turn(eng):
+    mix = _mix(eng)[:5]
+    sched = Scheduler(eng.runner, max_batch=2)
+    reqs = [
+        sched.submit(Request(eng.turn(ids, eng.runner.new_cache(512), cfg, seed, n)))
+        for ids, cfg, seed, n, _ in mix
+    ]
+    sched.run()
+    assert max(sched.forwards) <= 2
+    for (ids, cfg, seed, n, _), r in zip(mix, reqs, strict=True):
+        assert r.turn.out.token_ids == _solo(eng, ids, cfg, seed, n, False)[0].token_ids
+
+
+def test_denoise_step_refuses_canvases_of_two_lengths(eng):
+    kv = eng.runner.new_cache(64)
+    eng.runner.prefill([5, 6, 7], kv)
+    a = Canvas(eng.config.vocab_size, eng.sampler, 1, 16, torch.device("cpu"))
+    b = Canvas(eng.config.vocab_size, eng.sampler, 1, 8, torch.device("cpu"))
+    with pytest.raises(ValueError, match="one length"):
+        denoise_step(eng.model, [(a, kv), (b, kv)])
