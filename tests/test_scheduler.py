@@ -91,7 +91,7 @@ def test_a_mixed_batch_gives_every_request_its_solo_tokens_and_cache(eng):
     )  # several blocks, committed while others denoise
 
 
-def test_max_batch_bounds_a_forward_and_the_rest_wait_their_turn(eng):
+def test_max_batch_bounds_a_forward(eng):
     mix = _mix(eng)[:5]
     sched = Scheduler(eng.runner, max_batch=2)
     reqs = [
@@ -110,4 +110,4 @@ def test_denoise_step_refuses_canvases_of_two_lengths(eng):
     a = Canvas(eng.config.vocab_size, eng.sampler, 1, 16, torch.device("cpu"))
     b = Canvas(eng.config.vocab_size, eng.sampler, 1, 8, torch.device("cpu"))
     with pytest.raises(ValueError, match="one length"):
-        denoise_step(eng.model, [(a, kv), (b, kv)])
+        denoise_step(eng.runner, [(a, kv), (b, kv)])

@@ -126,6 +126,8 @@ def script(engine, monkeypatch) -> Callable[..., Script]:
     def make(*replies: str | list[int], block: int = 4) -> Script:
         s = Script(engine, list(replies), block)
         monkeypatch.setattr(pipeline_module, "drive", s)
+        # the worker then runs each Generate alone, through `drive` (its batching needs the real block loop)
+        monkeypatch.setattr(pipeline_module.Pipeline, "begin_generate", None)
         return s
 
     return make

@@ -37,6 +37,9 @@ def runs(monkeypatch) -> list[tuple[SamplerConfig, GenerateOutput]]:
         return out
 
     monkeypatch.setattr(pipeline_module, "drive", spy)
+    monkeypatch.setattr(
+        pipeline_module.Pipeline, "begin_generate", None
+    )  # each Generate alone, through drive
     return seen
 
 
@@ -93,23 +96,24 @@ def test_every_field_reaches_the_sampler(server, runs) -> None:
         assert runs[-1][0] == engine.sampler.replace(**fields)
 
 
-def test_only_a_request_with_sampler_fields_passes_a_sampler(server, monkeypatch) -> None:
+def test_only_a_request_with_sampler_fields_passes_a_sampler(server) -> None:
+    import json
+
     from diffgemma.session import ops as O
 
-    pipeline = server.app.state.pipeline
-    ops: list[O.Generate] = []
-    real = pipeline.run
+    def generates() -> list[O.Generate]:
+        lines = server.app.state.op_log_path.read_text().splitlines()
+        ops = [json.loads(line)["op"] for line in lines if line.startswith('{"op"')]
+        return [O.from_json(op, O.OPS) for op in ops if op["type"] == "Generate"]
 
-    def spy(op, emit, **kwargs):
-        if isinstance(op, O.Generate):
-            ops.append(op)
-        return real(op, emit, **kwargs)
-
-    monkeypatch.setattr(pipeline, "run", spy)
+    before = len(generates())
     assert post(server, COMP, max_tokens=8, entropy_bound=None).status_code == 200  # null: left out
     assert post(server, COMP, max_tokens=8, entropy_bound=0.3).status_code == 200
-    assert ops[0].sampler is None
-    assert pipeline.sampler(ops[1].sampler) == pipeline.engine.sampler.replace(entropy_bound=0.3)
+    server.check_registry()
+    first, second = generates()[before:]
+    pipeline = server.app.state.pipeline
+    assert first.sampler is None
+    assert pipeline.sampler(second.sampler) == pipeline.engine.sampler.replace(entropy_bound=0.3)
 
 
 BAD = [

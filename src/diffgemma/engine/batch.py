@@ -15,20 +15,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diffgemma.engine.generate import CancelToken, Canvas, StepInfo, Turn, default_commit
+from diffgemma.engine.generate import CancelToken, Canvas, StepInfo, Turn, default_commit, step_canvas
 from diffgemma.model.kv_cache import KVCache
 from diffgemma.model.passes import Pass
+from diffgemma.runner.runner import ModelRunner
 
 
 @torch.no_grad()
-def denoise_step(model, items: list[tuple[Canvas, KVCache]]) -> list[StepInfo]:
-    """One forward for every (canvas, cache) of equal canvas length, then each canvas's step. `model` is the
-    `DiffusionGemma` (the runner's `.model`)."""
+def denoise_step(runner: ModelRunner, items: list[tuple[Canvas, KVCache]]) -> list[StepInfo]:
+    """One forward for every (canvas, cache) of equal canvas length, then each canvas's step: a lone canvas through
+    the runner (its fast path and graphs, `step_canvas`), several through the model's batched pass."""
     if not items:
         return []
     c = items[0][0].length
     if any(cv.length != c for cv, _ in items):
         raise ValueError("denoise_step takes canvases of one length")
+    if len(items) == 1:
+        return [step_canvas(runner, *items[0])]
+    if runner.fast:
+        raise ValueError("the fast kernels take one canvas a pass: batch on the reference kernels")
+    model = runner.model
     x = []
     for cv, _ in items:
         probs, seed, exact = cv.sc_input()
@@ -62,14 +68,16 @@ class Request:
 
 class Scheduler:
     """Turns advanced together: each `step` opens a canvas for every turn that needs one (prefilling its last
-    commit first), drops cancelled turns, runs one forward per canvas length over at most `max_batch` canvases, and
-    commits (or re-rolls) the blocks that finished under the contract's policy (`default_commit`)."""
+    commit first), drops cancelled turns, advances every canvas by one step in forwards of at most `max_batch`
+    canvases of one length, and commits (or re-rolls) the blocks that finished under the contract's policy
+    (`default_commit`)."""
 
-    def __init__(self, model, max_batch: int = 16) -> None:
+    def __init__(self, runner: ModelRunner, max_batch: int = 16) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
-        self.model = model  # the runner: its prefill routes; the forward is its `.model`'s
-        self.max_batch = max_batch
+        self.runner = runner
+        # the fast kernels take one canvas a pass (for now): there a step runs the canvases one by one
+        self.max_batch = 1 if runner.fast else max_batch
         self.requests: list[Request] = []
         self.forwards: list[int] = []  # canvases a forward, one entry a forward (metrics, tests)
 
@@ -94,12 +102,15 @@ class Scheduler:
                 r.turn.prefill_pending()
                 r.canvas = r.turn.canvas()
             live.append(r)
-        by_length: dict[int, list[Request]] = {}
-        for r in live[: self.max_batch]:
-            by_length.setdefault(r.canvas.length, []).append(r)
-        for group in by_length.values():
+        groups: dict[int, list[Request]] = {}
+        for r in live:  # forwards of at most max_batch canvases of one length
+            groups.setdefault(r.canvas.length, []).append(r)
+        batches = [
+            g[i : i + self.max_batch] for g in groups.values() for i in range(0, len(g), self.max_batch)
+        ]
+        for group in batches:
             t0 = time.perf_counter()
-            infos = denoise_step(self.model.model, [(r.canvas, r.turn.kv) for r in group])
+            infos = denoise_step(self.runner, [(r.canvas, r.turn.kv) for r in group])
             self.forwards.append(len(group))
             for r, info in zip(group, infos, strict=True):
                 r.turn.out.denoise_seconds += time.perf_counter() - t0  # the forward it waited for
@@ -107,9 +118,7 @@ class Scheduler:
                     r.on_step(info)
                 if r.canvas.done:
                     self._finish_block(r)
-        # the finished leave; past max_batch the others wait, and the order rotates so that each gets its turn
-        active = self.active
-        self.requests = active[self.max_batch :] + active[: self.max_batch]
+        self.requests = self.active  # the finished leave
 
     def _finish_block(self, r: Request) -> None:
         turn, canvas = r.turn, r.canvas

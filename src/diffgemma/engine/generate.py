@@ -178,28 +178,34 @@ def denoise_block(
     while not canvas.done:
         if cancel is not None and cancel.cancelled:
             return None
-        # The logits are the graph's own buffer before the final softcap (raw=True), which the sampler's row pass
-        # applies as it reads them, before the next step overwrites them; the next SC input goes straight into
-        # the graph's input buffer once there is one.
-        probs, seed_sc, exact = canvas.sc_input()
-        if probs is not None:
-            logits = model.denoise(canvas.ids[None], kv, sc_probs=probs, sc_exact=exact, raw=True)
-        else:
-            logits = model.denoise(canvas.ids[None], kv, sc_seed=seed_sc, raw=True)
-        # The dense SC input is the exact path: fp32 probabilities, not the graph's 16-bit buffer (seed §5).
-        sc_out = None
-        if cfg.sc_sparse:
-            sc_out = model.sc_input_buffer(kv, canvas_len)
-            if sc_out is None:
-                # No graph yet: a buffer in the dtype a graph's would have. Written in fp32 and cast by torch, the
-                # SC input was one ulp off the sampler's own rounding in a few elements, so a first request that
-                # captured graphs got other ids than the same request later (docs/performance.md, "Sampler row
-                # pass").
-                sc_out = torch.empty(canvas_len, vocab, device=model.device, dtype=model.dtype)
-        info = canvas.step(logits[0], sc_out)
+        info = step_canvas(model, canvas, kv)
         if on_step is not None:
             on_step(info)
     return canvas.result
+
+
+def step_canvas(model: ModelRunner, canvas: Canvas, kv: KVCache) -> StepInfo:
+    """One denoise step of a lone canvas after `kv`: the runner's forward (its fast path and graphs), then
+    `Canvas.step`."""
+    # The logits are the graph's own buffer before the final softcap (raw=True), which the sampler's row pass
+    # applies as it reads them, before the next step overwrites them; the next SC input goes straight into
+    # the graph's input buffer once there is one.
+    probs, seed_sc, exact = canvas.sc_input()
+    if probs is not None:
+        logits = model.denoise(canvas.ids[None], kv, sc_probs=probs, sc_exact=exact, raw=True)
+    else:
+        logits = model.denoise(canvas.ids[None], kv, sc_seed=seed_sc, raw=True)
+    # The dense SC input is the exact path: fp32 probabilities, not the graph's 16-bit buffer (seed §5).
+    sc_out = None
+    if canvas.cfg.sc_sparse:
+        sc_out = model.sc_input_buffer(kv, canvas.length)
+        if sc_out is None:
+            # No graph yet: a buffer in the dtype a graph's would have. Written in fp32 and cast by torch, the
+            # SC input was one ulp off the sampler's own rounding in a few elements, so a first request that
+            # captured graphs got other ids than the same request later (docs/performance.md, "Sampler row
+            # pass").
+            sc_out = torch.empty(canvas.length, model.cfg.vocab_size, device=model.device, dtype=model.dtype)
+    return canvas.step(logits[0], sc_out)
 
 
 def token_logprobs(raw: torch.Tensor, chosen: torch.Tensor, k: int, softcap: float) -> list[TokenLogprob]:

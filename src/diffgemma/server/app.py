@@ -112,7 +112,7 @@ def create_app(
     tool_rounds = ToolRounds(keep=2 * max_conversations) if tool_continuation else None
     worker: Worker
     metrics = Metrics(queue_depth=lambda: worker.depth, conversations=lambda: len(registry))
-    worker = Worker(pipeline, max_queue)
+    worker = Worker(pipeline, max_queue, on_forward=lambda n: metrics.batch_size.observe(n))
     request_log = RequestLog(log_dir) if log_dir else None
     tok = engine.tokenizer
     max_pos = engine.config.max_position_embeddings

@@ -11,7 +11,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +23,9 @@ from diffgemma.server.errors import APIError
 from diffgemma.server.metrics import Metrics
 from diffgemma.server.schema import ChatRequest, CompletionRequest
 from diffgemma.server.toolturns import ToolRound, ToolRounds
-from diffgemma.server.worker import Channel
+from diffgemma.server.worker import Channel, Run, Steps
 from diffgemma.session import ops as O
-from diffgemma.session.pipeline import Pipeline, call, sampler_fields
+from diffgemma.session.pipeline import sampler_fields
 
 log = logging.getLogger("diffgemma.server")
 
@@ -148,7 +148,6 @@ class _Base:
 
     def _generate(
         self,
-        pipeline: Pipeline,
         ids: list[int],
         max_tokens: int,
         seed: int,
@@ -156,20 +155,20 @@ class _Base:
         cancel: CancelToken,
         logprobs: int | None = None,
         sampler: SamplerConfig | None = None,
-    ) -> GenerateOutput:
-        """Route the prompt to its conversation, cut that to the common prefix, and generate through the
-        pipeline's ops."""
+    ) -> Generator[Run, list[O.Event], GenerateOutput]:
+        """Route the prompt to its conversation, cut that to the common prefix, and generate: ops for the worker."""
         # Without sampler fields in the request, the op is exactly the engine's default one.
         fields = None if sampler is None else sampler_fields(sampler)
+        on_event = lambda ev: on_block(ev.ids) if isinstance(ev, O.Committed) else None  # noqa: E731
         try:
-            call(pipeline, O.Route(ids))
-            (aligned,) = call(pipeline, O.AlignTo(ids))
-            on_event = lambda ev: on_block(ev.ids) if isinstance(ev, O.Committed) else None  # noqa: E731
-            op = O.Generate(ids[aligned.reused :], seed, max_tokens, fields, logprobs)
-            call(pipeline, op, on_event, cancel=cancel)
+            yield Run(O.Route(ids))
+            (aligned,) = yield Run(O.AlignTo(ids))
+            gen = Run(O.Generate(ids[aligned.reused :], seed, max_tokens, fields, logprobs), on_event, cancel)
+            yield gen
         except ValueError as exc:  # the engine's own checks (context) after the server's
             raise APIError(400, str(exc), code="context_length_exceeded") from None
-        out = pipeline.last_output
+        out = gen.output
+        assert out is not None
         out.reused_tokens = aligned.reused
         m = self.metrics
         m.prompt_tokens.inc(len(ids))
@@ -215,7 +214,7 @@ class ChatJob(_Base):
         # calls keeps its raw log and is remembered for the next round
         self.tool_rounds = tool_rounds
 
-    def run(self, pipeline: Pipeline) -> None:
+    def steps(self) -> Steps:
         """Generate, retrying with a new seed (up to VALIDATION_ATTEMPTS) a reply that fails validation
         (json_object, a required tool call) or holds a tool call that does not parse. A validated or
         non-streaming reply is sent once it passes; a streaming one as it commits, and retried only if nothing
@@ -227,7 +226,7 @@ class ChatJob(_Base):
         problem = None
         for i in range(VALIDATION_ATTEMPTS):
             last = i + 1 == VALIDATION_ATTEMPTS
-            att = self._attempt(pipeline, req.seed + i, self._emit if live else None, hold_bad=not last)
+            att = yield from self._attempt(req.seed + i, self._emit if live else None, hold_bad=not last)
             if self.cancel.cancelled:
                 break
             problem = self._problem(att)
@@ -266,15 +265,15 @@ class ChatJob(_Base):
             )
         )
         if not self.cancel.cancelled:
-            self._finalize(pipeline, att)
+            yield from self._finalize(att)
 
     def _emit(self, delta: Delta) -> None:
         self._first_block()
         self.channel.put(delta)
 
     def _attempt(
-        self, pipeline: Pipeline, seed: int, emit: Callable[[Delta], None] | None, hold_bad: bool
-    ) -> _Attempt:
+        self, seed: int, emit: Callable[[Delta], None] | None, hold_bad: bool
+    ) -> Generator[Run, list[O.Event], _Attempt]:
         """One generation. With `emit` (streaming) events go out as blocks commit; a bad tool call before any
         of them did stops the attempt (when `hold_bad`, so that a retry repeats nothing)."""
         events: list[Delta] = []
@@ -321,8 +320,7 @@ class ChatJob(_Base):
                     calls.append(call)
                     send(Delta("tool_call", call=call))
 
-        out = self._generate(
-            pipeline,
+        out = yield from self._generate(
             self.ids + self.forced,
             self.max_new,
             seed,
@@ -364,7 +362,7 @@ class ChatJob(_Base):
             return "the model produced a tool call that does not parse"
         return None
 
-    def _finalize(self, pipeline: Pipeline, att: _Attempt) -> None:
+    def _finalize(self, att: _Attempt) -> Steps:
         """Re-render the finished turn as the client will send it back and make the KV hold exactly that.
         A tool-calling turn is rendered with empty content, so it ends at the `<|tool_response>` opener
         and the client's next request (which adds the results) extends it. Under tool-turn continuation a round
@@ -372,7 +370,7 @@ class ChatJob(_Base):
         if self.tool_rounds is not None and att.finish == "tool_calls":
             # the reply's own tokens, then the response opener the canonical form of a call ends with
             raw = self.ids + self.forced + att.out.token_ids + [self.tok.token_to_id("<|tool_response>")]
-            call(pipeline, O.Finalize(raw))
+            yield Run(O.Finalize(raw))
             self.tool_rounds.remember(ToolRound(self.req.messages, att.calls, raw, self.render_tools))
             return
         calls = [
@@ -395,7 +393,7 @@ class ChatJob(_Base):
             add_generation_prompt=False,
             enable_thinking=self.req.think,
         )
-        call(pipeline, O.Finalize(ids))
+        yield Run(O.Finalize(ids))
 
 
 class CompletionJob(_Base):
@@ -413,7 +411,7 @@ class CompletionJob(_Base):
         self.req = request
         self.tok = tokenizer
 
-    def run(self, pipeline: Pipeline) -> None:
+    def steps(self) -> Steps:
         self._begin()
         stops = StopFilter(self.req.stop)
         cancel = LinkedCancel(self.cancel)
@@ -434,8 +432,7 @@ class CompletionJob(_Base):
             if stops.hit:
                 cancel.cancel()
 
-        out = self._generate(
-            pipeline,
+        out = yield from self._generate(
             self.ids,
             self.max_new,
             self.req.seed,

@@ -72,6 +72,9 @@ class Gauge(_Metric):
         return [*self.header(), f"{self.name} {_num(self._read())}"]
 
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
 class Histogram(_Metric):
     kind = "histogram"
 
@@ -121,6 +124,9 @@ class Metrics:
         self.queue_wait = Histogram("diffgemma_queue_wait_seconds", "Time a job waited for the engine", lock)
         self.first_token = Histogram(
             "diffgemma_time_to_first_token_seconds", "From enqueue to the first committed block", lock
+        )
+        self.batch_size = Histogram(
+            "diffgemma_canvases_per_forward", "Canvases in one denoise forward", lock, BATCH_BUCKETS
         )
         self.prefill_seconds = Histogram("diffgemma_prefill_seconds", "Prefill time per generation", lock)
         self.denoise_seconds = Histogram("diffgemma_denoise_seconds", "Denoise time per generation", lock)

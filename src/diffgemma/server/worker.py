@@ -1,5 +1,9 @@
-"""The engine worker: one thread owns the model and every KV cache (the token pipeline); jobs reach it through a
-bounded queue and run there, speaking the pipeline's ops."""
+"""The engine worker: one thread owns the model and every KV cache (the token pipeline). Jobs reach it through a
+bounded queue and run there as generators of ops (`Run`): the worker runs each op for its job and sends back the
+events. A job's `Generate` is begun on the pipeline and joins the `Scheduler`, so the turns of up to one job a
+conversation advance together, one forward a step for all their canvases; the job resumes when its turn ends. A
+job's other ops run between forwards, each job's run of them at once (no other job's op comes between them), so a
+conversation is only ever touched by the job that holds it."""
 
 from __future__ import annotations
 
@@ -9,21 +13,38 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from diffgemma.engine.generate import CancelToken
+from diffgemma.engine.batch import Request, Scheduler
+from diffgemma.engine.generate import CancelToken, GenerateOutput
 from diffgemma.server.errors import APIError
-from diffgemma.session.pipeline import Pipeline
+from diffgemma.session import ops as O
+from diffgemma.session.pipeline import call
 
 log = logging.getLogger("diffgemma.server")
+
+
+@dataclass
+class Run:
+    """What a job's `steps` yield: an op to run on its behalf. Its events come back; a `Failed` one is thrown into the
+    job as ValueError. `on_event` sees each event as it comes (a Generate's commits, for streaming)."""
+
+    op: O.Op
+    on_event: Callable[[O.Event], None] | None = None
+    cancel: CancelToken | None = None
+    output: GenerateOutput | None = None  # a Generate's, with its timings (the events leave them out)
+
+
+Steps = Generator[Run, list[O.Event], None]
 
 
 class Job(Protocol):
     cancel: CancelToken
     enqueued_at: float
 
-    def run(self, pipeline: Pipeline) -> None: ...
+    def steps(self) -> Steps: ...
 
     def fail(self, error: APIError) -> None: ...
 
@@ -48,20 +69,39 @@ class Channel:
         return await asyncio.wait_for(self._queue.get(), timeout)
 
 
+@dataclass
+class _Active:
+    job: Job
+    steps: Steps
+    conv: Any = None  # the conversation its Route chose
+    request: Request | None = None  # its Generate in the scheduler
+    run: Run | None = None  # the Run of that Generate
+    events: list[O.Event] = field(default_factory=list)
+    done: bool = False
+
+
 class Worker:
     def __init__(
-        self, pipeline: Pipeline, max_queue: int, on_error: Callable[[BaseException], None] | None = None
+        self,
+        pipeline: Any,
+        max_queue: int,
+        on_error: Callable[[BaseException], None] | None = None,
+        max_batch: int = 16,
+        on_forward: Callable[[int], None] | None = None,
     ):
         self.pipeline = pipeline
+        self.scheduler = Scheduler(pipeline.engine.runner, max_batch)
+        self.capacity = pipeline.registry.max_conversations  # a running job holds one conversation
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._loop, name="diffgemma-engine", daemon=True)
-        self._busy = False
+        self._active: list[_Active] = []
         self._on_error = on_error
+        self._on_forward = on_forward
 
     @property
     def depth(self) -> int:
-        """Jobs waiting plus the one running."""
-        return self._queue.qsize() + int(self._busy)
+        """Jobs waiting plus those running."""
+        return self._queue.qsize() + len(self._active)
 
     def start(self) -> None:
         self._thread.start()
@@ -85,22 +125,113 @@ class Worker:
             raise QueueFull from None
 
     def _loop(self) -> None:
+        stopping = False
         while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            self._busy = True
-            try:
+            while not stopping and len(self._active) < self.capacity:
+                try:
+                    job = self._queue.get(block=not self._active)  # wait only when nothing runs
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                    for a in self._active:  # finish what runs quickly: each turn ends at its next step
+                        a.job.cancel.cancel()
+                    break
                 if job.cancel.cancelled:
                     job.fail(APIError(499, "the client went away before its turn", code="cancelled"))
-                else:
-                    job.run(self.pipeline)
-            except APIError as exc:
-                job.fail(exc)
-            except BaseException as exc:  # the worker must outlive any one request
-                log.exception("engine job failed")
-                if self._on_error is not None:
-                    self._on_error(exc)
-                job.fail(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
-            finally:
-                self._busy = False
+                    continue
+                a = _Active(job, job.steps())
+                self._active.append(a)
+                self._advance(a, None, None)
+            if self.scheduler.active:
+                self._step()
+            for a in self._active:
+                if a.request is not None and a.request.done:
+                    request, a.request = a.request, None
+                    try:
+                        a.run.output = self.pipeline.end_generate(request)
+                    except BaseException as exc:  # noqa: BLE001 - reported to its job below
+                        self._crash(a, exc)
+                        continue
+                    self._advance(a, a.events, None)
+            self._active = [a for a in self._active if not a.done]
+            if stopping and not self._active:
+                return
+
+    def _step(self) -> None:
+        """One scheduler step; a failure fails every job whose turn was in it, never the worker."""
+        try:
+            n = len(self.scheduler.forwards)
+            self.scheduler.step()
+            if self._on_forward is not None:
+                for size in self.scheduler.forwards[n:]:
+                    self._on_forward(size)
+            del self.scheduler.forwards[:-64]
+        except BaseException as exc:  # noqa: BLE001
+            for a in self._active:
+                if a.request is not None:
+                    self.pipeline.abort_generate(a.request)
+                    a.request = None
+                    self._crash(a, exc)
+            self.scheduler.requests = []
+
+    def _advance(self, a: _Active, value: list[O.Event] | None, exc: BaseException | None) -> None:
+        """Run a's ops until it parks on a Generate or ends."""
+        while True:
+            try:
+                item = a.steps.throw(exc) if exc is not None else a.steps.send(value)
+            except StopIteration:
+                a.done = True
+                return
+            except APIError as e:
+                a.job.fail(e)
+                a.done = True
+                return
+            except BaseException as e:  # noqa: BLE001 - the worker must outlive any one request
+                self._crash(a, e)
+                return
+            value, exc = None, None
+            try:
+                if a.conv is not None and self.pipeline.active is not a.conv:
+                    call(self.pipeline, O.Activate(self.pipeline.conv_id(a.conv)))
+                # the tool stages run a Generate as ops of their own (no begin_generate): one at a time
+                if isinstance(item.op, O.Generate) and callable(
+                    getattr(self.pipeline, "begin_generate", None)
+                ):
+                    a.events = []
+                    request = self.pipeline.begin_generate(
+                        item.op, self._collect(a, item.on_event), cancel=item.cancel
+                    )
+                    if request is None:
+                        exc = ValueError(a.events[-1].message)
+                        continue
+                    a.request, a.run = request, item
+                    self.scheduler.submit(request)
+                    return
+                value = call(self.pipeline, item.op, item.on_event, cancel=item.cancel)
+                if isinstance(item.op, O.Generate):
+                    item.output = self.pipeline.last_output
+                if isinstance(item.op, O.Route):
+                    a.conv = self.pipeline.active
+            except ValueError as e:
+                exc = e
+            except BaseException as e:  # noqa: BLE001
+                exc = e
+
+    @staticmethod
+    def _collect(a: _Active, on_event: Callable[[O.Event], None] | None) -> Callable[[O.Event], None]:
+        def emit(event: O.Event) -> None:
+            a.events.append(event)
+            if on_event is not None and not isinstance(event, O.Failed):
+                on_event(event)
+
+        return emit
+
+    def _crash(self, a: _Active, exc: BaseException) -> None:
+        log.error("engine job failed", exc_info=exc)
+        if self._on_error is not None:
+            self._on_error(exc)
+        a.job.fail(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+        a.done = True
+        with contextlib.suppress(BaseException):
+            a.steps.close()

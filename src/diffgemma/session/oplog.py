@@ -22,6 +22,7 @@ import diffgemma
 from diffgemma.engine.engine import Engine
 from diffgemma.engine.generate import CancelToken, StepInfo
 from diffgemma.session import ops as O
+from diffgemma.session import pipeline as pipeline_module
 from diffgemma.session.pipeline import Emit, Pipeline, sampler_fields
 
 FILE_MODE = 0o600
@@ -62,7 +63,9 @@ def header(pipeline: Pipeline) -> dict[str, Any]:
 
 
 class OpLog:
-    """A stage around `inner`: each op, then each of its events, one JSON object a line, flushed as written."""
+    """A stage around `inner`: each op with its sequence number, and each event with its op's number, one JSON object
+    a line in the order they happened, flushed as written. Ops of a batching worker interleave: a Generate's events
+    come as its blocks commit, between other requests' ops."""
 
     def __init__(self, inner: Pipeline, path: str | Path, label: str | None = None) -> None:
         self.inner = inner
@@ -73,6 +76,7 @@ class OpLog:
             os.fchmod(fd, FILE_MODE)
         self._file = os.fdopen(fd, "a", encoding="utf-8")
         self._lock = threading.Lock()
+        self._seq = 0
         self._write({"header": {**header(inner), **({"label": label} if label else {})}})
 
     def _write(self, record: dict[str, Any]) -> None:
@@ -80,17 +84,32 @@ class OpLog:
             self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
             self._file.flush()
 
-    def run(self, op: O.Op, emit: Emit, **kwargs: Any) -> None:
-        self._write({"op": op.to_json()})
+    def _op(self, op: O.Op, emit: Emit) -> Emit:
+        """Log op with the next sequence number; the emit that logs its events under that number."""
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        self._write({"op": op.to_json(), "seq": seq})
 
         def logged(event: O.Event) -> None:
-            self._write({"event": event.to_json()})
+            self._write({"event": event.to_json(), "of": seq})
             emit(event)
 
-        self.inner.run(op, logged, **kwargs)
+        return logged
+
+    def run(self, op: O.Op, emit: Emit, **kwargs: Any) -> None:
+        self.inner.run(op, self._op(op, emit), **kwargs)
+
+    @property
+    def begin_generate(self) -> Callable[..., Any] | None:
+        """The inner pipeline's `begin_generate`, logged (None where it has none: a stage that runs its own ops)."""
+        inner = getattr(self.inner, "begin_generate", None)
+        if not callable(inner):
+            return None
+        return lambda op, emit, **kwargs: inner(op, self._op(op, emit), **kwargs)
 
     def cancel(self) -> None:
-        self._write({"op": O.Cancel().to_json()})
+        self._op(O.Cancel(), lambda event: None)
         self.inner.cancel()
 
     def close(self) -> None:
@@ -106,6 +125,7 @@ class Step:
     line: int
     op: O.Op
     events: list[dict[str, Any]] = field(default_factory=list)
+    lines: list[int] = field(default_factory=list)  # each event's line
 
 
 @dataclass
@@ -118,6 +138,7 @@ class Session:
 def read_log(path: str | Path) -> list[Session]:
     """The sessions of a log file; ValueError naming the line for anything that is not one."""
     sessions: list[Session] = []
+    by_seq: dict[int, Step] = {}
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -126,24 +147,30 @@ def read_log(path: str | Path) -> list[Session]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-            if not isinstance(record, dict) or len(record) != 1:
+            kind = next(
+                (k for k in ("header", "op", "event") if isinstance(record, dict) and k in record), None
+            )
+            if kind is None:
                 raise ValueError(f"{path}:{n}: expected one of header, op, event")
-            ((kind, body),) = record.items()
             if kind == "header":
-                sessions.append(Session(n, body))
-            elif not sessions:
+                sessions.append(Session(n, record["header"]))
+                by_seq = {}
+                continue
+            if not sessions:
                 raise ValueError(f"{path}:{n}: {kind} before any header")
-            elif kind == "op":
+            if kind == "op":
                 try:
-                    sessions[-1].steps.append(Step(n, O.from_json(body, O.OPS)))
+                    step = Step(n, O.from_json(record["op"], O.OPS))
                 except ValueError as e:
                     raise ValueError(f"{path}:{n}: {e}") from None
-            elif kind == "event":
-                if not sessions[-1].steps:
-                    raise ValueError(f"{path}:{n}: event before any op")
-                sessions[-1].steps[-1].events.append(body)
-            else:
-                raise ValueError(f"{path}:{n}: unknown record {kind!r}")
+                sessions[-1].steps.append(step)
+                by_seq[record.get("seq", len(sessions[-1].steps))] = step
+                continue
+            step = by_seq.get(record.get("of")) if "of" in record else (sessions[-1].steps or [None])[-1]
+            if step is None:
+                raise ValueError(f"{path}:{n}: event of no op before it")
+            step.events.append(record["event"])
+            step.lines.append(n)
     if not sessions:
         raise ValueError(f"{path}: no session in it (an empty log)")
     return sessions
@@ -221,31 +248,60 @@ def _replay(
         pipeline = Pipeline(engine, hdr.get("ctx"), hdr.get("max_conversations", 4))
         if hdr.get("sampler") is not None:  # the engine's defaults as they were when the log was written
             engine.sampler = pipeline.sampler(hdr["sampler"])
+        # A Generate runs at its op's line and ends (its conversation free again, its Replied emitted) at its last
+        # event's line, as under the batching worker; everything else runs and answers at its op's line.
+        timeline: list[tuple[int, int, Step]] = []
         for step in session.steps:
+            timeline.append((step.line, 0, step))
+            if isinstance(step.op, O.Generate) and step.lines:
+                timeline.append((step.lines[-1], 1, step))
+        flight: dict[int, tuple[Any, list[dict[str, Any]]]] = {}
+        for _, phase, step in sorted(timeline, key=lambda t: (t[0], t[1])):
             if isinstance(step.op, O.Cancel):  # where it struck is in the events of the op it stopped
                 continue
-            got: list[dict[str, Any]] = []
-            struck = _struck(step.events)
-            token = AfterSteps(struck) if struck is not None else None
-            pipeline.run(
-                step.op,
-                lambda ev, got=got: got.append(ev.to_json()),
-                on_step=token.step if token is not None else None,
-                cancel=token,
-            )
-            ops += 1
-            if on_op is not None:
-                on_op(step)
-            for i, (a, b) in enumerate(zip(step.events, got, strict=False)):
-                if a != b:
-                    where = f"line {step.line + 1 + i}{_label(hdr)}"
-                    return (
-                        False,
-                        f"{where}: event {i + 1} of op {type(step.op).__name__} differs: {_diff(a, b)}",
-                    )
-            if len(step.events) != len(got):
-                where = f"line {step.line}{_label(hdr)}"
-                n = len(step.events)
-                return False, f"{where}: op {type(step.op).__name__} logged {n} events, replayed {len(got)}"
+            if phase == 1:
+                if id(step) not in flight:
+                    continue  # refused at its begin: compared there
+                request, got = flight.pop(id(step))
+                pipeline.end_generate(request)
+            else:
+                ops += 1
+                if on_op is not None:
+                    on_op(step)
+                got = []
+                struck = _struck(step.events)
+                token = AfterSteps(struck) if struck is not None else None
+                emit = lambda ev, got=got: got.append(ev.to_json())  # noqa: E731
+                kw = dict(on_step=token.step if token is not None else None, cancel=token)
+                if isinstance(step.op, O.Generate):
+                    request = pipeline.begin_generate(step.op, emit, **kw)
+                    if request is not None:
+                        _run_alone(pipeline, request)
+                        flight[id(step)] = (request, got)
+                        continue
+                else:
+                    pipeline.run(step.op, emit, **kw)
+            same, line = _compare(step, got, hdr)
+            if not same:
+                return False, line
             events += len(got)
     return True, f"identical: {len(sessions)} session(s), {ops} ops, {events} events"
+
+
+def _run_alone(pipeline: Pipeline, request: Any) -> None:
+    """A begun Generate run to its end on its own (its tokens are those of any batch it ran in)."""
+    pipeline_module.drive(request.turn, request.on_step, request.cancel, request.on_commit)
+
+
+def _compare(step: Step, got: list[dict[str, Any]], hdr: dict[str, Any]) -> tuple[bool, str]:
+    name = type(step.op).__name__
+    for i, (a, b) in enumerate(zip(step.events, got, strict=False)):
+        if a != b:
+            return (
+                False,
+                f"line {step.lines[i]}{_label(hdr)}: event {i + 1} of op {name} differs: {_diff(a, b)}",
+            )
+    if len(step.events) != len(got):
+        n = len(step.events)
+        return False, f"line {step.line}{_label(hdr)}: op {name} logged {n} events, replayed {len(got)}"
+    return True, ""

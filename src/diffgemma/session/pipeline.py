@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from diffgemma.config import SamplerConfig
+from diffgemma.engine.batch import Request
 from diffgemma.engine.engine import Engine
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo, TokenLogprob, Turn, drive
 from diffgemma.engine.generate import prefill as prompt_prefill
@@ -69,6 +70,9 @@ class Pipeline:
         self._cancel = CancelToken()
         # the last Generate's output with its timings, which the events leave out (they must replay identically)
         self.last_output: GenerateOutput | None = None
+        self._flight: dict[
+            int, tuple[Conversation, Emit]
+        ] = {}  # begin_generate's requests: their conversation
         self._handlers: dict[type[O.Op], Callable[..., None]] = {
             O.Route: self._route,
             O.Activate: self._activate,
@@ -293,13 +297,73 @@ class Pipeline:
         self.turn = None
         emit(self._replied(turn, None))
 
-    def _replied(self, turn: Turn, cancel_after: int | None) -> O.Replied:
+    def _replied(self, turn: Turn, cancel_after: int | None, conv: Conversation | None = None) -> O.Replied:
         out = turn.out
         lps = [_logprob_json(t) for t in out.logprobs] if turn.logprobs is not None else None
         return O.Replied(
             out.token_ids, out.finish_reason, out.stop_token, out.steps, out.blocks, out.retries,
-            out.cached_tokens, self.kv_id(), lps, cancel_after,
+            out.cached_tokens, self.kv_id(conv), lps, cancel_after,
         )  # fmt: skip
+
+    # -- a Generate in flight beside others (the batching worker) ---------------------------------------------
+
+    def begin_generate(
+        self,
+        op: O.Generate,
+        emit: Emit,
+        on_step: Callable[[StepInfo], None] | None = None,
+        cancel: CancelToken | None = None,
+    ) -> Request | None:
+        """Open `op`'s turn on the active conversation (its prompt prefilled) as a scheduler `Request` whose commits
+        emit `Committed`; its conversation is busy (routing passes it by) until `end_generate`. None, with `Failed`
+        emitted, when the op is refused. The events, and the tokens, are those `run(op)` gives."""
+        conv = self._conv()
+        token = CountingCancel(cancel, self._cancel)
+
+        def step(info: StepInfo) -> None:
+            token.steps += 1
+            if on_step is not None:
+                on_step(info)
+
+        try:
+            turn = self.engine.turn(
+                list(op.ids), conv.kv, self.sampler(op.sampler), op.seed, op.max_new_tokens, op.logprobs
+            )
+        except ValueError as e:  # refused before the cache was written
+            emit(O.Failed(str(e)))
+            return None
+        except BaseException:
+            conv.reset()
+            raise
+        self.registry.busy.add(id(conv))
+        request = Request(
+            turn, step, lambda t, kept: emit(O.Committed(t.out.blocks - 1, kept, t.done)), token
+        )
+        self._flight[id(request)] = (conv, emit)
+        return request
+
+    def abort_generate(self, request: Request) -> None:
+        """Drop a begun Generate that cannot end (its forward failed): its conversation emptied and freed."""
+        conv, _ = self._flight.pop(id(request))
+        self.registry.busy.discard(id(conv))
+        conv.reset()
+
+    def conv_id(self, conv: Conversation) -> int:
+        """The id `Activate` takes for conv."""
+        return self._lineage(conv).conv
+
+    def end_generate(self, request: Request) -> GenerateOutput:
+        """Close a finished (or failed) `begin_generate`: emit its `Replied`, free its conversation."""
+        conv, emit = self._flight.pop(id(request))
+        self.registry.busy.discard(id(conv))
+        turn = request.turn
+        if not turn.done:  # the worker gave up on it (an error beside it): the cache holds no half block
+            conv.reset()
+            raise RuntimeError("end_generate of a turn that has not ended")
+        struck = request.cancel.struck_at if turn.out.finish_reason == "cancelled" else None
+        self.last_output = turn.out
+        emit(self._replied(turn, struck, conv))
+        return turn.out
 
     def _generate(self, op: O.Generate, emit: Emit, on_step=None, cancel=None) -> None:
         conv = self._conv()

@@ -41,6 +41,8 @@ class Registry:
         self.max_conversations = max_conversations
         self.conversations: list[Conversation] = []
         self.decision = ""  # how the last `route` chose: new, continue, fork, salvage or re-prefill
+        # id()s of conversations a turn is running on (the batching worker): routing passes them by
+        self.busy: set[int] = set()
         self._used: dict[int, float] = {}  # id(conversation) -> last use
 
     def __len__(self) -> int:
@@ -53,13 +55,21 @@ class Registry:
     def _lru(self) -> Conversation:
         return min(self.conversations, key=lambda c: self._used[id(c)])
 
+    def idle(self) -> list[Conversation]:
+        """The conversations no turn is running on."""
+        return [c for c in self.conversations if id(c) not in self.busy]
+
     def blank(self, keep: Conversation | None = None) -> Conversation:
-        """A new conversation, or the least recently used one (never `keep`) reset when at the bound."""
+        """A new conversation, or the least recently used idle one (never `keep`) reset when at the bound."""
         if len(self.conversations) < self.max_conversations:
             conv = Conversation(self.engine, self.ctx, rewind_slack=SERVE_REWIND_SLACK)
             self.conversations.append(conv)
             return conv
-        victims = [c for c in self.conversations if c is not keep] or self.conversations
+        victims = [c for c in self.idle() if c is not keep] or self.idle()
+        if not victims:
+            raise RuntimeError(
+                "every conversation is busy: the worker admits no more turns than conversations"
+            )
         conv = min(victims, key=lambda c: self._used[id(c)])
         log.info("evicting a conversation of %d tokens (least recently used)", len(conv.log))
         conv.reset()
@@ -73,7 +83,7 @@ class Registry:
         rule: the tail is cut, the prefix reused), a shorter one is copied into the least recently used slot, and
         anything else is prefilled anew. Every choice but continuing is logged with its numbers."""
         best, shared = None, 0
-        for conv in sorted(self.conversations, key=lambda c: -self._used[id(c)]):
+        for conv in sorted(self.idle(), key=lambda c: -self._used[id(c)]):
             n = common_prefix(conv.log, ids)
             if n > shared:
                 best, shared = conv, n

@@ -35,6 +35,8 @@ def bad_calls(tok: ChatTokenizer, ids: list[int], finish_reason: str) -> list[Ba
 class _Stage:
     """Passes every op but Generate through to `inner`."""
 
+    begin_generate = None  # its Generates are ops of its own: a batching worker runs them one at a time
+
     def __init__(self, inner: Any, tokenizer: ChatTokenizer) -> None:
         self.inner = inner
         self.tok = tokenizer
