@@ -90,5 +90,10 @@ def serve(
         tool_repair=tool_repair,
         tool_continuation=tool_continuation,
     )
+    log.info(
+        "KV caches: %d conversations of %d tokens (%.2f GiB each), one running turn each, their canvases in shared "
+        "forwards",
+        conversations, ctx, kv_bytes(engine, ctx) / 2**30,
+    )  # fmt: skip
     log.info("serving %s at http://%s:%d/v1 (context %d)", app.state.model_id, host, port, ctx)
     uvicorn.run(app, host=host, port=port, log_level="info")
