@@ -30,8 +30,8 @@ def denoise_step(runner: ModelRunner, items: list[tuple[Canvas, KVCache]]) -> li
     c = items[0][0].length
     if any(cv.length != c for cv, _ in items):
         raise ValueError("denoise_step takes canvases of one length")
-    if len(items) == 1:
-        return [step_canvas(runner, *items[0])]
+    if len(items) == 1:  # its SC input in its own buffer: the next forward may be another canvas's
+        return [step_canvas(runner, *items[0], private_sc=True)]
     if runner.fast:
         raise ValueError("the fast kernels take one canvas a pass: batch on the reference kernels")
     model = runner.model

@@ -184,9 +184,10 @@ def denoise_block(
     return canvas.result
 
 
-def step_canvas(model: ModelRunner, canvas: Canvas, kv: KVCache) -> StepInfo:
+def step_canvas(model: ModelRunner, canvas: Canvas, kv: KVCache, private_sc: bool = False) -> StepInfo:
     """One denoise step of a lone canvas after `kv`: the runner's forward (its fast path and graphs), then
-    `Canvas.step`."""
+    `Canvas.step`. `private_sc`: the next SC input in a buffer of the canvas's own, not the graphs' shared one, which
+    another canvas's step would overwrite before this one's next (the scheduler interleaves canvases)."""
     # The logits are the graph's own buffer before the final softcap (raw=True), which the sampler's row pass
     # applies as it reads them, before the next step overwrites them; the next SC input goes straight into
     # the graph's input buffer once there is one.
@@ -198,7 +199,7 @@ def step_canvas(model: ModelRunner, canvas: Canvas, kv: KVCache) -> StepInfo:
     # The dense SC input is the exact path: fp32 probabilities, not the graph's 16-bit buffer (seed §5).
     sc_out = None
     if canvas.cfg.sc_sparse:
-        sc_out = model.sc_input_buffer(kv, canvas.length)
+        sc_out = None if private_sc else model.sc_input_buffer(kv, canvas.length)
         if sc_out is None:
             # No graph yet: a buffer in the dtype a graph's would have. Written in fp32 and cast by torch, the
             # SC input was one ulp off the sampler's own rounding in a few elements, so a first request that
