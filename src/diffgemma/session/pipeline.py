@@ -51,6 +51,16 @@ class CountingCancel(CancelToken):
         self.steps = 0
         self.struck_at: int | None = None
 
+    def counting(self, on_step: Callable[[StepInfo], None] | None) -> Callable[[StepInfo], None]:
+        """An on_step that counts the steps for this token, then calls on_step."""
+
+        def step(info: StepInfo) -> None:
+            self.steps += 1
+            if on_step is not None:
+                on_step(info)
+
+        return step
+
     @property
     def cancelled(self) -> bool:
         if self.struck_at is None and (self._event.is_set() or any(t.cancelled for t in self.tokens)):
@@ -110,12 +120,7 @@ class Pipeline:
         whole (a failed prefill empties its conversation, as a cut); errors other than the user's propagate."""
         self._cancel = CancelToken()
         token = CountingCancel(cancel, self._cancel)
-
-        def step(info: StepInfo) -> None:
-            token.steps += 1
-            if on_step is not None:
-                on_step(info)
-
+        step = token.counting(on_step)
         for conv in self.registry.conversations:
             conv.kv.take_cut()  # a cut made outside the pipeline is no op's
         try:
@@ -319,12 +324,7 @@ class Pipeline:
         emitted, when the op is refused. The events, and the tokens, are those `run(op)` gives."""
         conv = self._conv()
         token = CountingCancel(cancel, self._cancel)
-
-        def step(info: StepInfo) -> None:
-            token.steps += 1
-            if on_step is not None:
-                on_step(info)
-
+        step = token.counting(on_step)
         try:
             turn = self.engine.turn(
                 list(op.ids), conv.kv, self.sampler(op.sampler), op.seed, op.max_new_tokens, op.logprobs
