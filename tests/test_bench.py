@@ -21,6 +21,18 @@ def test_bench_tiny_writes_its_results(tmp_path):
     assert data["threads"] == 1 and ours["fast_kernels"] is False  # the reference kernels on the CPU
 
 
+def test_bench_concurrency_runs_n_requests_together(tmp_path):
+    out = tmp_path / "bench.json"
+    opts = BenchOptions(
+        tiny=True, device="cpu", dtype="float32", contexts="64", gen_steps=0, fixed_steps=2, gen_prompt=40,
+        concurrency="1,3", out=str(out),
+    )  # fmt: skip
+    run(opts)
+    conc = json.loads(out.read_text())["concurrency"]
+    assert set(conc) == {"1", "3"} and all(conc[n]["tok_s"] > 0 and conc[n]["step_ms"] > 0 for n in conc)
+    assert [conc[n]["canvases_per_forward"] for n in ("1", "3")] == [1, 3]  # the three share each forward
+
+
 def test_bench_quant_quantizes_on_the_device_and_measures_the_error(tmp_path):
     out = tmp_path / "bench.json"
     opts = BenchOptions(
@@ -58,6 +70,7 @@ def test_bench_defaults_and_usage_errors():
             in proc.stderr
         )
     for args, message in (
+        (["--concurrency", "2,x"], "--concurrency takes positive counts"),
         (["--quant", "q4"], "unknown profile 'q4'"),
         (["--set", "attn=fp8"], "needs --quant"),
     ):

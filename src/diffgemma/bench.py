@@ -265,6 +265,9 @@ class BenchOptions:
     kernels: str = "auto"
     compile: bool = True
     out: str | None = None  # write the results as JSON here
+    concurrency: str | None = (
+        None  # "1,2,4": N requests started together through the scheduler (`concurrency`)
+    )
     max_context: dict[str, int] | None = None  # runner name -> the largest context it is measured at
 
     def context_list(self) -> list[int]:
@@ -278,6 +281,10 @@ class BenchOptions:
         for name in ("reps", "gen_reps"):  # a median of at least 10
             if getattr(self, name) < 10:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 10, got {getattr(self, name)}")
+        if self.concurrency is not None:
+            ns = [x.strip() for x in self.concurrency.split(",") if x.strip()]
+            if not ns or not all(x.isdigit() and int(x) > 0 for x in ns):
+                raise ValueError(f"--concurrency takes positive counts like 1,2,4, got {self.concurrency!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {self.threads}")
         if self.init not in ("hf", "wide"):
@@ -383,6 +390,58 @@ def generate_rate(runner, cfg: ModelConfig, opts: BenchOptions, device: torch.de
         f"early stops off; denoise {denoise * 1e3:.1f} ms + commit {commit * 1e3:.1f} ms, "
         f"prompt prefill {prefill * 1e3:.1f} ms",
     }
+
+
+CONCURRENT_BLOCKS = 4  # blocks a request in `concurrency`
+
+
+def concurrency(runner: ModelRunner, opts: BenchOptions, ns: list[int], g) -> dict[str, Any]:
+    """N requests started together through the `Scheduler` (each a `gen_prompt`-token prompt, CONCURRENT_BLOCKS
+    blocks of `fixed_steps` steps, early stops off): aggregate generated tok/s, mean ms a scheduler step (one denoise
+    step of every running canvas, and the commits due), peak GPU memory. Prompt prefill is excluded, as in
+    `generate_tok_s`."""
+    from diffgemma.engine.batch import Request, Scheduler
+    from diffgemma.engine.generate import Turn
+
+    cfg, device = runner.model.cfg, runner.device
+    c, steps = cfg.canvas_length, max(opts.fixed_steps, 1)
+    sampler = fixed_steps_sampler(steps)
+    res: dict[str, Any] = {}
+    for n in ns:
+        for rep in range(2):  # the first: warm-up (compiles, graph captures)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            sched = Scheduler(runner, max_batch=max(ns))
+            turns = []
+            for _ in range(n):
+                kv = runner.new_cache(opts.gen_prompt + (CONCURRENT_BLOCKS + 1) * c)
+                prompt = torch.randint(0, cfg.vocab_size, (opts.gen_prompt,), generator=g).tolist()
+                turns.append(
+                    Turn(runner, prompt, kv, sampler, seed=rep, max_new_tokens=CONCURRENT_BLOCKS * c)
+                )
+            for turn in turns:
+                sched.submit(Request(turn))
+            _sync(device)
+            t0, count = time.perf_counter(), 0
+            while sched.active:
+                sched.step()
+                count += 1
+            _sync(device)
+            wall = time.perf_counter() - t0
+        tokens = sum(len(t.out.token_ids) for t in turns)
+        res[str(n)] = {
+            "tok_s": tokens / wall,
+            "step_ms": wall / count * 1e3,
+            "canvases_per_forward": max(sched.forwards) if sched.forwards else 0,
+            "peak_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
+        }
+        log(
+            f"diffgemma: {n} concurrent: {res[str(n)]['tok_s']:,.0f} tok/s, {res[str(n)]['step_ms']:.2f} ms a step, "
+            f"{res[str(n)]['canvases_per_forward']} canvases a forward"
+        )
+        del turns, sched
+        gc.collect()
+    return res
 
 
 def weight_bytes(model: DiffusionGemma) -> int:
@@ -575,6 +634,9 @@ def run(opts: BenchOptions) -> dict[str, Any]:
         OursRunner(runner), opts.context_list(), opts, runner.device, ours_need(runner), log
     )
     results["diffgemma"]["weights_gib"] = results["weight_gib"]
+    if opts.concurrency:
+        ns = [int(x) for x in opts.concurrency.split(",") if x.strip()]
+        results["concurrency"] = concurrency(runner, opts, ns, torch.Generator().manual_seed(7))
     save(results, opts.out)
     print(table(results, opts.context_list()))
     return results

@@ -626,6 +626,9 @@ def bench(
         True, "--compile/--no-compile", help="torch.compile the fast kernels' regions."
     ),
     out: Path | None = typer.Option(None, "--out", help="Write the results as JSON here."),
+    concurrency: str | None = typer.Option(
+        None, "--concurrency", help="Also N requests at once through the scheduler, e.g. 1,2,4,8,16."
+    ),
 ) -> None:
     """Measure prefill and denoise speed, a fixed-step generation and peak memory (`bench/compare_hf.py` runs
     transformers on the same weights beside it)."""
@@ -651,6 +654,7 @@ def bench(
         kernels=kernels,
         compile=compile,
         out=str(out) if out else None,
+        concurrency=concurrency,
     )
     try:
         opts.check()
