@@ -408,13 +408,16 @@ def concurrency(runner: ModelRunner, opts: BenchOptions, ns: list[int], g) -> di
     sampler = fixed_steps_sampler(steps)
     res: dict[str, Any] = {}
     for n in ns:
+        # a cache a request, kept across the repetitions as a server keeps its conversations': the CUDA graphs the
+        # warm-up captures (each tied to its cache) serve the timed run
+        caches = [runner.new_cache(opts.gen_prompt + (CONCURRENT_BLOCKS + 1) * c) for _ in range(n)]
         for rep in range(2):  # the first: warm-up (compiles, graph captures)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             sched = Scheduler(runner, max_batch=max(ns))
             turns = []
-            for _ in range(n):
-                kv = runner.new_cache(opts.gen_prompt + (CONCURRENT_BLOCKS + 1) * c)
+            for kv in caches:
+                kv.reset()
                 prompt = torch.randint(0, cfg.vocab_size, (opts.gen_prompt,), generator=g).tolist()
                 turns.append(
                     Turn(runner, prompt, kv, sampler, seed=rep, max_new_tokens=CONCURRENT_BLOCKS * c)
@@ -439,7 +442,7 @@ def concurrency(runner: ModelRunner, opts: BenchOptions, ns: list[int], g) -> di
             f"diffgemma: {n} concurrent: {res[str(n)]['tok_s']:,.0f} tok/s, {res[str(n)]['step_ms']:.2f} ms a step, "
             f"{res[str(n)]['canvases_per_forward']} canvases a forward"
         )
-        del turns, sched
+        del turns, sched, caches
         gc.collect()
     return res
 
