@@ -16,11 +16,12 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from diffgemma.chat import questions as Q
 from diffgemma.engine.engine import Engine
 from diffgemma.engine.generate import CancelToken
 from diffgemma.server import responses as R
 from diffgemma.server.errors import APIError, invalid
-from diffgemma.server.jobs import ChatJob, CompletionJob, Delta, Done, Failed
+from diffgemma.server.jobs import ChatJob, CompletionJob, Delta, Done, Failed, QuestionJob
 from diffgemma.server.metrics import Metrics
 from diffgemma.server.reqlog import RequestLog
 from diffgemma.server.schema import (
@@ -243,6 +244,19 @@ def create_app(
             ids = cont if cont is not None else ids + tok.encode(THOUGHT_OPEN)
         return ids, forced, tools, budget(len(ids) + len(forced), req, "messages"), thought_open
 
+    def question_job(
+        req: ChatRequest, obj: dict[str, Any], state: Any, channel: Channel, cancel
+    ) -> QuestionJob:
+        try:
+            schema = Q.parse(obj, seed=req.seed)
+            template = Q.template(schema, tok, engine.config.canvas_length)
+        except Q.SchemaError as exc:
+            raise invalid(f"the question schema: {exc}", param="messages") from None
+        ids = tok.encode_chat(Q.messages(schema, state), add_generation_prompt=True, enable_thinking=False)
+        budget(len(ids) + len(template.ids), req, "messages")
+        pad = tok.pad_id if tok.pad_id is not None else 0
+        return QuestionJob(schema, template, ids, engine.config.vocab_size, pad, metrics, channel, cancel)
+
     def completion_prompt(req: CompletionRequest) -> tuple[list[int], int]:
         if isinstance(req.prompt, str):
             if tok is None:
@@ -340,10 +354,14 @@ def create_app(
         check_auth(request)
         body = await read_json(request)
         req = parse_chat(body, model_id, engine.sampler)
-        ids, forced, tools, max_new, thought_open = await run_in_threadpool(chat_prompt, req)
         channel, cancel = Channel(), CancelToken()
-        rounds = tool_rounds if thought_open else None
-        submit(ChatJob(req, ids, forced, max_new, tok, tools, metrics, channel, cancel, rounds))
+        schema = Q.recognize(req.messages) if tok is not None else None
+        if schema is not None:  # a question schema: scored forwards, no generated text
+            submit(await run_in_threadpool(question_job, req, *schema, channel, cancel))
+        else:
+            ids, forced, tools, max_new, thought_open = await run_in_threadpool(chat_prompt, req)
+            rounds = tool_rounds if thought_open else None
+            submit(ChatJob(req, ids, forced, max_new, tok, tools, metrics, channel, cancel, rounds))
         rid = R.new_id("chatcmpl")
         if req.stream:
             return StreamingResponse(

@@ -178,6 +178,18 @@ class Generate(Op):
 
 
 @dataclass(frozen=True)
+class Read(Op):
+    """Score a seeded canvas after the active log (the question-schema API): `steps` forwards of `canvas`, then at
+    each slot the softmax over its label ids, the entropy over the vocabulary, the label mass and whether the argmax
+    is a label. Reads the cache, never writes it."""
+
+    canvas: list[int]
+    slots: list[int]
+    labels: list[list[int]]
+    steps: int = 1
+
+
+@dataclass(frozen=True)
 class Ping(Op):
     pass
 
@@ -195,7 +207,7 @@ class Shutdown(Op):
 
 OPS = _registry(
     Route, Activate, Extend, AlignTo, Finalize, Rewind, Splice, SyntheticFill, KvFingerprint, Mark,
-    BeginTurn, ProposeBlock, CommitBlock, DiscardBlock, EndTurn, Generate, Ping, Cancel, Shutdown,
+    BeginTurn, ProposeBlock, CommitBlock, DiscardBlock, EndTurn, Generate, Read, Ping, Cancel, Shutdown,
 )  # fmt: skip
 
 
@@ -300,6 +312,14 @@ class Replied(Event):
 
 
 @dataclass(frozen=True)
+class ReadOut(Event):
+    probs: list[list[float]]  # a slot's distribution over its labels
+    entropy: list[float]
+    label_mass: list[float]
+    argmax_is_label: list[bool]
+
+
+@dataclass(frozen=True)
 class Pong(Event):
     pass
 
@@ -319,5 +339,5 @@ class Failed(Event):
 
 EVENTS = _registry(
     Activated, Extended, Aligned, Finalized, Rewound, Fingerprint, Marked, TurnBegun, Proposed, Cancelled, Committed,
-    Discarded, Replied, Pong, Stopped, Failed,
+    Discarded, Replied, ReadOut, Pong, Stopped, Failed,
 )  # fmt: skip

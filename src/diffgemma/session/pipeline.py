@@ -11,6 +11,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from diffgemma.config import SamplerConfig
 from diffgemma.engine.batch import Request
 from diffgemma.engine.engine import Engine
@@ -100,6 +102,7 @@ class Pipeline:
             O.DiscardBlock: self._discard,
             O.EndTurn: self._end_turn,
             O.Generate: self._generate,
+            O.Read: self._read,
             O.Ping: lambda op, emit, **_: emit(O.Pong()),
             O.Cancel: lambda op, emit, **_: None,  # nothing runs beside it: clients call cancel() instead
             O.Shutdown: lambda op, emit, **_: emit(O.Stopped()),
@@ -251,6 +254,35 @@ class Pipeline:
 
     def _mark(self, op: O.Mark, emit: Emit, **_: Any) -> None:
         emit(O.Marked(self.kv_id()))
+
+    @torch.no_grad()
+    def _read(self, op: O.Read, emit: Emit, **_: Any) -> None:
+        kv = self._conv().kv
+        if kv.length == 0:
+            raise ValueError("Read needs a prompt in the cache: Extend first")
+        if len(op.slots) != len(op.labels) or not all(0 <= s < len(op.canvas) for s in op.slots):
+            raise ValueError("Read: one label list a slot, each slot inside the canvas")
+        if kv.length + len(op.canvas) > kv.max_tokens:
+            raise ValueError(
+                f"a canvas of {len(op.canvas)} does not fit after {kv.length} of {kv.max_tokens} tokens"
+            )
+        runner, canvas = self.engine.runner, torch.tensor([list(op.canvas)], dtype=torch.long)
+        logits = runner.denoise(canvas, kv, sc_seed=self.engine.sampler.first_step_sc_seed)
+        for _ in range(op.steps - 1):  # the next forward conditions on this one's probabilities
+            logits = runner.denoise(
+                canvas, kv, sc_probs=torch.softmax(logits[0].float(), dim=-1), sc_exact=True
+            )
+        rows = logits[0, list(op.slots)].float()
+        logp = torch.log_softmax(rows, dim=-1)
+        p = logp.exp()
+        entropy = (-(p * logp).sum(-1)).tolist()
+        argmax = rows.argmax(-1).tolist()
+        probs, mass, is_label = [], [], []
+        for i, ids in enumerate(op.labels):
+            probs.append(torch.softmax(rows[i, list(ids)], dim=-1).tolist())
+            mass.append(float(p[i, list(ids)].sum()))
+            is_label.append(argmax[i] in ids)
+        emit(O.ReadOut(probs, entropy, mass, is_label))
 
     # -- turns ------------------------------------------------------------------------------------------------
 
