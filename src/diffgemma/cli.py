@@ -1,7 +1,7 @@
-"""The `diffgemma` command line (typer): ask, chat, prompt, serve, replay, golden, download, quantize, bench, train,
-eval.
+"""The `diffgemma` command line (typer): ask, chat, prompt, serve, score, replay, golden, download, quantize, bench,
+train, eval.
 
-Longer than 600 lines on purpose: each command's typer signature is its `--help`, and the eleven of them are kept
+Longer than 600 lines on purpose: each command's typer signature is its `--help`, and the twelve of them are kept
 in one file as the command line's one reference; the work each command does lives in its own module."""
 
 from __future__ import annotations
@@ -458,6 +458,35 @@ def serve(
             tool_repair=tool_repair,
             tool_continuation=tool_continuation,
         )
+
+
+@app.command()
+def score(
+    schema: Path = typer.Option(..., "--schema", help="A question schema (JSON: questions, options...)."),
+    state: Path = typer.Option(..., "--state", help="The state to answer about (JSON)."),
+    model: str | None = MODEL,
+    seed: int = typer.Option(0, "--seed", help="The holes' noise seed."),
+    device: str | None = DEVICE,
+    dtype: str | None = DTYPE,
+    threads: int | None = THREADS,
+) -> None:
+    """Answer a question schema about a state by scored reads (no generated text); print the answers as JSON."""
+    from diffgemma.chat.questions import SchemaError
+
+    with one_line_errors():
+        docs = []
+        for name, path in (("--schema", schema), ("--state", state)):
+            try:
+                docs.append(json.loads(path.read_text()))
+            except (OSError, json.JSONDecodeError) as e:
+                raise CliError(f"{name} {path}: {e}", 2) from None
+        engine = load_engine(model, device, dtype, None, threads, compile=False)
+        if engine.tokenizer is None:
+            raise CliError(f"{engine.path} has no tokenizer.json")
+        try:
+            print(json.dumps(engine.score(docs[0], docs[1], seed=seed)))
+        except SchemaError as e:
+            raise CliError(f"the question schema: {e}", 2) from None
 
 
 @app.command()

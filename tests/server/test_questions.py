@@ -82,3 +82,37 @@ def test_a_schema_is_answered_by_reads_and_replays(engine, model_dir, tmp_path):
         json.loads(line) for line in (log_dir / "ops.jsonl").read_text().splitlines() if '"Read"' in line
     ]
     assert len(reads) >= 3 + 1 + 1 + 4 + 2
+
+
+def test_engine_score_and_the_cli_give_the_servers_answers_deterministically(engine, model_dir, tmp_path):
+    schema = {"questions": [CHOICE, SCORE], "samples": 2}
+    state = {"ticket": "Please refund my last invoice."}
+    with ServerThread(create_app(engine, ctx=CTX)) as server:
+        served = json.loads(_ask(server, schema, state, seed=3).json()["choices"][0]["message"]["content"])
+    first = engine.score(schema, state, seed=3)
+    again = engine.score(schema, state, seed=3)
+    assert first["answers"] == again["answers"] == served["answers"]  # determinism at a fixed seed
+    assert again["diagnostics"]["timing"]["reused_tokens"] > 0
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    res = CliRunner().invoke(
+        app, ["score", "--schema", str(tmp_path / "schema.json"), "--state", str(tmp_path / "state.json"),
+              "-m", str(model_dir), "--seed", "3"],
+    )  # fmt: skip
+    assert res.exit_code == 0 and json.loads(res.stdout)["answers"].keys() == first["answers"].keys()
+    (tmp_path / "bad.json").write_text(
+        '{"questions": [{"id": "a", "type": "noul"}, {"id": "a", "type": "noul"}]}'
+    )
+    bad = CliRunner().invoke(
+        app,
+        [
+            "score",
+            "--schema",
+            str(tmp_path / "bad.json"),
+            "--state",
+            str(tmp_path / "state.json"),
+            "-m",
+            str(model_dir),
+        ],
+    )
+    assert bad.exit_code == 2 and "question 'a': duplicate id" in bad.stderr

@@ -40,7 +40,7 @@ def test_every_op_and_event_round_trips_through_json():
         O.Route([1, 2]), O.Activate(3), O.Extend([4]), O.AlignTo([5]), O.Finalize([6]), O.Rewind((1, 7)),
         O.Splice(1, 2, [8]), O.SyntheticFill(9, 1), O.KvFingerprint(), O.Mark(), O.BeginTurn(1, 2, None, 3),
         O.ProposeBlock(), O.CommitBlock(4), O.DiscardBlock(), O.EndTurn(), O.Generate([1], 2, 3, {"a": 1}, 0),
-        O.Ping(), O.Cancel(), O.Shutdown(),
+        O.Read([1, 2], [1], [[5, 6]], 2), O.Ping(), O.Cancel(), O.Shutdown(),
     ]  # fmt: skip
     assert {type(s).__name__ for s in samples} == set(O.OPS)
     for s in samples:

@@ -47,6 +47,7 @@ class Engine:
         # The cache of calls without `kv`, reset and reused while big enough: the runner's captured denoise
         # graphs are tied to a cache, so a fresh one per call would capture them again each time.
         self._kv: KVCache | None = None
+        self._scorer = None  # `score`'s conversation
 
     def prompt_ids(
         self,
@@ -133,6 +134,15 @@ class Engine:
         turn = self.turn(prompt_ids, kv, cfg, seed, max_new_tokens, logprobs)
         on_commit = None if on_block is None else lambda _turn, kept: on_block(kept)
         return self.parse(drive(turn, on_step, cancel, on_commit))
+
+    def score(self, schema: dict[str, Any], state: Any, seed: int = 0) -> dict[str, Any]:
+        """Answer a question schema about `state` by scored reads (`diffgemma.Session.score`, on a conversation the
+        engine keeps, so that the schema's prefix is reused by the next state)."""
+        from diffgemma.session.client import Session
+
+        if self._scorer is None:
+            self._scorer = Session(self)
+        return self._scorer.score(schema, state, seed)
 
     def turn(
         self,

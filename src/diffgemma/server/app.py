@@ -38,6 +38,7 @@ from diffgemma.server.schema import (
 )
 from diffgemma.server.toolturns import THOUGHT_OPEN, ToolRounds, continuation_ids
 from diffgemma.server.worker import Channel, QueueFull, Worker
+from diffgemma.session import scoring
 from diffgemma.session.client import stages
 from diffgemma.session.pipeline import Pipeline
 
@@ -248,11 +249,9 @@ def create_app(
         req: ChatRequest, obj: dict[str, Any], state: Any, channel: Channel, cancel
     ) -> QuestionJob:
         try:
-            schema = Q.parse(obj, seed=req.seed)
-            template = Q.template(schema, tok, engine.config.canvas_length)
+            schema, template, ids = scoring.prepare(tok, engine.config.canvas_length, obj, state, req.seed)
         except Q.SchemaError as exc:
             raise invalid(f"the question schema: {exc}", param="messages") from None
-        ids = tok.encode_chat(Q.messages(schema, state), add_generation_prompt=True, enable_thinking=False)
         budget(len(ids) + len(template.ids), req, "messages")
         pad = tok.pad_id if tok.pad_id is not None else 0
         return QuestionJob(schema, template, ids, engine.config.vocab_size, pad, metrics, channel, cancel)

@@ -20,13 +20,13 @@ from diffgemma.chat.parser import BadCall, Content, Event, Reasoning, StreamPars
 from diffgemma.chat.tokenizer import ChatTokenizer
 from diffgemma.config import SamplerConfig
 from diffgemma.engine.generate import CancelToken, GenerateOutput, TokenLogprob
-from diffgemma.engine.rng import Rng, block_seed
 from diffgemma.server.errors import APIError
 from diffgemma.server.metrics import Metrics
 from diffgemma.server.schema import ChatRequest, CompletionRequest
 from diffgemma.server.toolturns import ToolRound, ToolRounds
 from diffgemma.server.worker import Channel, Run, Steps
 from diffgemma.session import ops as O
+from diffgemma.session import scoring
 from diffgemma.session.pipeline import sampler_fields
 
 log = logging.getLogger("diffgemma.server")
@@ -467,9 +467,8 @@ class CompletionJob(_Base):
 
 
 class QuestionJob(_Base):
-    """A question-schema request (`chat.questions`): the prompt prefilled (the schema's prefix stays cached for the
-    next state), then reads of the seeded answer canvas, no generated text; the reply's content is the answers as
-    JSON. Each read fills the holes anew (noise: the block seed's LCG draw; pad; or the first label)."""
+    """A question-schema request: `session.scoring`'s ops run by the worker, no generated text; the reply's content
+    is the answers as JSON."""
 
     def __init__(
         self,
@@ -485,69 +484,33 @@ class QuestionJob(_Base):
         super().__init__(ids, 0, metrics, channel, cancel)
         self.schema, self.template, self.vocab, self.pad_id = schema, template, vocab, pad_id
 
-    def _canvas(self, read: int, pinned: dict[int, int]) -> list[int]:
-        t, hole = self.template, self.schema.hole
-        canvas = list(t.ids)
-        noise = Rng(block_seed(self.schema.seed, 0, read)).tokens(len(t.slots), self.vocab).tolist()
-        for qi, slot in enumerate(t.slots):
-            if qi in pinned:
-                canvas[slot] = pinned[qi]
-            elif hole == "noise":
-                canvas[slot] = noise[qi]
-            elif hole == "pad":
-                canvas[slot] = self.pad_id
-            else:  # "label": the first label
-                canvas[slot] = t.labels[qi][0]
-        return canvas
-
     def steps(self) -> Steps:
         self._begin()
-        schema, t = self.schema, self.template
-        t0 = time.perf_counter()
-        try:
-            yield Run(O.Route(self.ids))
-            (aligned,) = yield Run(O.AlignTo(self.ids))
-            if self.ids[aligned.reused :]:
-                yield Run(O.Extend(self.ids[aligned.reused :]))
-        except ValueError as exc:
-            raise APIError(400, str(exc), code="context_length_exceeded") from None
-        t1 = time.perf_counter()
-        answers, pinned = Q.Answers(), {}
-        n = schema.samples if isinstance(schema.samples, int) else 1
-        i = 0
-        while i < n:
+        ops = scoring.score(self.schema, self.template, self.ids, self.vocab, self.pad_id)
+        events = None
+        while True:
             if self.cancel.cancelled:
                 self.metrics.finished.inc(reason="cancelled")
                 return
-            (out,) = yield Run(O.Read(self._canvas(i, pinned), t.slots, t.labels, schema.steps))
-            answers.reads.append(Q.ReadResult(out.probs, out.entropy, out.label_mass, out.argmax_is_label))
-            if i == 0 and schema.samples == "auto":
-                settled = [Q.label_entropy(p) <= schema.auto_threshold for p in out.probs]
-                if not all(settled):
-                    n = schema.auto_max
-                    if schema.fix_definite:  # the later reads condition on the settled answers
-                        pinned = {
-                            qi: t.labels[qi][max(range(len(p)), key=p.__getitem__)]
-                            for qi, (p, ok) in enumerate(zip(out.probs, settled, strict=True))
-                            if ok
-                        }
-            i += 1
-        t2 = time.perf_counter()
-        timing = {
-            "prefill_ms": round((t1 - t0) * 1e3, 3),
-            "denoise_ms": round((t2 - t1) * 1e3, 3),
-            "reused_tokens": aligned.reused,
-        }
-        reply = answers.reply(schema, {"steps": schema.steps, "hole": schema.hole, "timing": timing})
+            try:
+                op = ops.send(events)
+            except StopIteration as done:
+                reply = done.value
+                break
+            try:
+                events = yield Run(op)
+            except ValueError as exc:  # the context's checks after the server's
+                raise APIError(400, str(exc), code="context_length_exceeded") from None
         self._first_block()
         self.channel.put(Delta("content", json.dumps(reply, ensure_ascii=False)))
         self.metrics.finished.inc(reason="stop")
+        reused = reply["diagnostics"]["timing"]["reused_tokens"]
         self.channel.put(
             Done(
                 finish_reason="stop",
                 prompt_tokens=len(self.ids),
                 completion_tokens=0,
-                cached_tokens=min(aligned.reused, len(self.ids)),
-                steps=n * schema.steps,
+                cached_tokens=min(reused, len(self.ids)),
+                steps=reply["diagnostics"]["samples"]["n"] * self.schema.steps,
             )
         )

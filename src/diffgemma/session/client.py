@@ -10,6 +10,7 @@ from typing import Any
 from diffgemma.engine.engine import Engine, Prompt
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo
 from diffgemma.session import ops as O
+from diffgemma.session import scoring
 from diffgemma.session.oplog import OpLog
 from diffgemma.session.pipeline import Pipeline, call, sampler_fields
 from diffgemma.session.tools import ToolRepair, ToolValidator
@@ -98,3 +99,18 @@ class Session:
         assert out is not None
         out.reused_tokens = reused
         return self.engine.parse(out)
+
+    def score(self, schema: dict[str, Any], state: Any, seed: int = 0) -> dict[str, Any]:
+        """Answer a question schema (`chat.questions`: the JSON object of a schema request's system message) about
+        `state` by scored reads; returns the reply object. The schema's prefix stays cached for the next state."""
+        tok = self.engine._need_tokenizer()
+        prepared = scoring.prepare(tok, self.engine.config.canvas_length, schema, state, seed)
+        pad = tok.pad_id if tok.pad_id is not None else 0
+        ops = scoring.score(*prepared, self.engine.config.vocab_size, pad)
+        events = None
+        while True:
+            try:
+                op = ops.send(events)
+            except StopIteration as done:
+                return done.value
+            events = self._call(op)
