@@ -72,13 +72,13 @@ def test_conversation_reuses_the_common_prefix_and_rewinds(eng):
 
 
 def test_one_shot_calls_reuse_the_engines_cache_and_match_a_fresh_engine(tiny_a, eng):
-    """Calls without `kv` empty and reuse one cache (the denoise graphs are tied to a cache): a call after
-    another gives what a fresh engine gives, and a longer request grows the cache."""
+    """Calls without `kv` are ops on a conversation of the engine's own, emptied and reused (the denoise graphs are
+    tied to a cache): a call after another gives what a fresh engine gives, and a reply stops at the context."""
     fresh = diffgemma.load(tiny_a, device="cpu", dtype="float32", max_denoising_steps=3)
     want = fresh.generate("a first question", max_new_tokens=12, seed=5).token_ids
     eng.generate("something else entirely, to leave K/V behind", max_new_tokens=30, seed=9)
-    kv = eng._kv
+    kv = eng._oneshot.pipeline.active.kv
     assert eng.generate("a first question", max_new_tokens=12, seed=5).token_ids == want
-    assert eng._kv is kv
-    eng.generate("a long one", max_new_tokens=kv.max_tokens + 10, seed=1)
-    assert eng._kv is not kv and eng._kv.max_tokens > kv.max_tokens
+    assert eng._oneshot.pipeline.active.kv is kv
+    out = eng.generate("a long one", max_new_tokens=kv.max_tokens + 10, seed=1)
+    assert eng._oneshot.pipeline.active.kv is kv and out.prompt_tokens + len(out.token_ids) < kv.max_tokens

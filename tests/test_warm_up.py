@@ -56,7 +56,7 @@ def test_warm_up_compiles_what_a_reply_needs_and_changes_no_reply(tiny_a):
     assert all(seen[f"prefill.{n}"] for n in ("norm", "qkv_post", "pre_ffn", "dense_mlp", "post_ffn")), seen
     assert all(seen[f"denoise.{n}"] for n in DENOISE_REGIONS), seen
     assert not len(warm.runner.graphs) and not warm.runner.graphs._io
-    assert warm._kv is None  # its caches were its own, not the engine's
+    assert warm._oneshot is None  # its caches were its own, not the engine's
 
     # Requests of other lengths (a prompt, then a follow-up turn on the same cache) compile nothing more: a
     # recompile raises, which `Fused` would turn into `failed`.

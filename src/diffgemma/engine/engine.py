@@ -44,9 +44,9 @@ class Engine:
         self.path = path
         self.max_tokens = max_tokens
         self.tokenizer = tokenizer
-        # The cache of calls without `kv`, reset and reused while big enough: the runner's captured denoise
-        # graphs are tied to a cache, so a fresh one per call would capture them again each time.
-        self._kv: KVCache | None = None
+        # The conversation of calls without `kv` (the token pipeline's, emptied each call and reused: the runner's
+        # captured denoise graphs are tied to a cache, so a fresh one per call would capture them again each time)
+        self._oneshot = None
         self._scorer = None  # `score`'s conversation
 
     def prompt_ids(
@@ -90,15 +90,6 @@ class Engine:
     def new_cache(self, max_tokens: int | None = None) -> KVCache:
         return self.runner.new_cache(max_tokens or self.max_tokens)
 
-    def _one_shot_cache(self, need: int) -> KVCache:
-        """The engine's own cache, emptied, with room for `need` tokens (allocated anew only to grow)."""
-        size = max(self.max_tokens, need)
-        if self._kv is None or self._kv.max_tokens < size or self._kv.device != self.model.device:
-            self._kv = None  # free the old one before allocating its successor
-            self._kv = self.new_cache(size)
-        self._kv.reset()
-        return self._kv
-
     def warm_up(self) -> float:
         """Compile and capture the fast path before the first request (`ModelRunner.warm_up`); seconds taken."""
         return self.runner.warm_up(self.sampler)
@@ -122,15 +113,28 @@ class Engine:
     ) -> GenerateOutput:
         """Generate a reply. The prompt is token ids, a string (one user turn) or an OpenAI-style message list;
         with a tokenizer, out.text / out.reasoning / out.tool_calls are set. With `kv`, the prompt is the tokens
-        not yet cached and the cache is extended in place (multi-turn reuse); without it the engine's own cache is
-        emptied and used (one generation at a time per engine)."""
+        not yet cached and the cache is extended in place (multi-turn reuse); without it the call is ops on a
+        conversation of the engine's own, emptied first (one generation at a time per engine)."""
         prompt_ids = self.prompt_ids(prompt_ids, think=think, tools=tools, raw=raw)
         cfg = sampler or self.sampler
         if sampler_overrides:
             cfg = dataclasses.replace(cfg, **sampler_overrides).validated()
-        if kv is None:
-            max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
-            kv = self._one_shot_cache(len(prompt_ids) + max_new + self.config.canvas_length)
+        if kv is None:  # a conversation of the token pipeline's, emptied: the call goes through its ops
+            from diffgemma.session.client import Session
+
+            if self._oneshot is None:
+                self._oneshot = Session(self)
+            self._oneshot.reset()
+            return self._oneshot.generate(
+                prompt_ids,
+                max_new_tokens,
+                seed,
+                on_step,
+                on_block,
+                cancel=cancel,
+                logprobs=logprobs,
+                sampler=cfg,
+            )
         turn = self.turn(prompt_ids, kv, cfg, seed, max_new_tokens, logprobs)
         on_commit = None if on_block is None else lambda _turn, kept: on_block(kept)
         return self.parse(drive(turn, on_step, cancel, on_commit))

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from diffgemma.config import SamplerConfig
 from diffgemma.engine.engine import Engine, Prompt
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo
 from diffgemma.session import ops as O
@@ -75,17 +76,19 @@ class Session:
         tools: list[dict[str, Any]] | None = None,
         raw: bool = False,
         logprobs: int | None = None,
+        sampler: SamplerConfig | None = None,
         **sampler_overrides: Any,
     ) -> GenerateOutput:
-        """A reply to the whole conversation `prompt` (ids, a string or messages, as `Engine.generate` takes)."""
+        """A reply to the whole conversation `prompt` (ids, a string or messages, as `Engine.generate` takes), under
+        `sampler` (default the engine's) with `sampler_overrides`."""
         ids = self.engine.prompt_ids(prompt, think=think, tools=tools, raw=raw)
-        if len(ids) + 1 > self.pipeline.registry.ctx:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens does not fit the context of {self.pipeline.registry.ctx}"
-            )
-        fields = (
-            sampler_fields(self.engine.sampler.replace(**sampler_overrides)) if sampler_overrides else None
-        )
+        ctx = self.pipeline.registry.ctx
+        if len(ids) + 1 > ctx:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit the context of {ctx}")
+        cfg = sampler or self.engine.sampler
+        if sampler_overrides:
+            cfg = cfg.replace(**sampler_overrides)
+        fields = None if cfg == self.engine.sampler else sampler_fields(cfg)
         (aligned,) = self._call(O.AlignTo(ids))
         reused = aligned.reused
 
