@@ -121,13 +121,29 @@ class Script:
         return out
 
 
+_BEGIN = pipeline_module.Pipeline.begin_generate
+
+
+def drive_at_begin(monkeypatch, loop: Callable[..., GenerateOutput]) -> None:
+    """Every Generate's turn run to its end by `loop(turn, on_step, cancel, on_commit)` as soon as it is begun, in
+    place of the block loop (the worker's scheduler then finds it done; a lone Generate's `drive` too)."""
+
+    def begin(self, op, emit, on_step=None, cancel=None):
+        request = _BEGIN(
+            self, op, emit, on_step, cancel
+        )  # the real one, however often a test scripts replies
+        if request is not None:
+            loop(request.turn, request.on_step, request.cancel, request.on_commit)
+        return request
+
+    monkeypatch.setattr(pipeline_module.Pipeline, "begin_generate", begin)
+
+
 @pytest.fixture
 def script(engine, monkeypatch) -> Callable[..., Script]:
     def make(*replies: str | list[int], block: int = 4) -> Script:
         s = Script(engine, list(replies), block)
-        monkeypatch.setattr(pipeline_module, "drive", s)
-        # the worker then runs each Generate alone, through `drive` (its batching needs the real block loop)
-        monkeypatch.setattr(pipeline_module.Pipeline, "begin_generate", None)
+        drive_at_begin(monkeypatch, s)
         return s
 
     return make

@@ -15,7 +15,7 @@ import diffgemma.session.pipeline as pipeline_module
 from diffgemma.config import SamplerConfig
 from diffgemma.engine.generate import GenerateOutput
 from diffgemma.server.schema import REFUSED_FIELDS, SamplerFields
-from tests.server.conftest import MODEL
+from tests.server.conftest import MODEL, drive_at_begin
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -36,10 +36,7 @@ def runs(monkeypatch) -> list[tuple[SamplerConfig, GenerateOutput]]:
         seen.append((turn.cfg, out))
         return out
 
-    monkeypatch.setattr(pipeline_module, "drive", spy)
-    monkeypatch.setattr(
-        pipeline_module.Pipeline, "begin_generate", None
-    )  # each Generate alone, through drive
+    drive_at_begin(monkeypatch, spy)
     return seen
 
 

@@ -98,14 +98,14 @@ def test_validate_retries_with_the_next_seed_from_the_prompts_end(eng, monkeypat
     opener = tok.token_to_id("<|tool_response>")
     seeds: list[int] = []
     script = Script(tok, (BAD, opener), (BAD, opener), (GOOD, opener))
-    real = pipeline_module.Pipeline._open
+    real = type(eng).turn
 
-    def spy(self, ids, seed, *args):
+    def spy(self, ids, kv, cfg=None, seed=42, *args):
         seeds.append(seed)
-        return real(self, ids, seed, *args)
+        return real(self, ids, kv, cfg, seed, *args)
 
     monkeypatch.setattr(pipeline_module, "drive", script)
-    monkeypatch.setattr(pipeline_module.Pipeline, "_open", spy)
+    monkeypatch.setattr(type(eng), "turn", spy)
     s = Session(eng, tool_validate=True)
     prompt = eng.prompt_ids("Weather in Paris?")
     out = s.generate(prompt, seed=7, max_new_tokens=64)

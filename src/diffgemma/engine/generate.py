@@ -171,10 +171,21 @@ def denoise_block(
 ) -> BlockResult | None:
     """Run the entropy-bound loop on one canvas; None if cancelled. Reads `kv`, never writes it. With `logprobs`
     (k >= 0), each row's committed token's log probability and its top k alternatives (`TokenLogprob`)."""
-    vocab = model.cfg.vocab_size
+    m = model.cfg
     canvas = Canvas(
-        vocab, cfg, seed, canvas_len, model.device, block_index, logprobs, model.cfg.final_logit_softcapping
+        m.vocab_size, cfg, seed, canvas_len, model.device, block_index, logprobs, m.final_logit_softcapping
     )
+    return run_canvas(model, canvas, kv, on_step, cancel)
+
+
+def run_canvas(
+    model: ModelRunner,
+    canvas: Canvas,
+    kv: KVCache,
+    on_step: Callable[[StepInfo], None] | None = None,
+    cancel: CancelToken | None = None,
+) -> BlockResult | None:
+    """Step a lone canvas to its end (`step_canvas`); None if `cancel` fires first."""
     while not canvas.done:
         if cancel is not None and cancel.cancelled:
             return None
@@ -314,17 +325,7 @@ class Turn:
         """Denoise the next canvas; None (and the turn ends "cancelled") if `cancel` fires first."""
         self.prefill_pending()
         t0 = time.perf_counter()
-        res = denoise_block(
-            self.model,
-            self.kv,
-            self.cfg,
-            block_seed(self.seed, self.block, self.retry),
-            self.length,
-            on_step,
-            cancel,
-            self.block,
-            self.logprobs,
-        )
+        res = run_canvas(self.model, self.canvas(), self.kv, on_step, cancel)
         self.out.denoise_seconds += time.perf_counter() - t0
         return self.propose_from(res)
 
@@ -340,8 +341,8 @@ class Turn:
             self.out.prefill_seconds += time.perf_counter() - t0
 
     def canvas(self) -> Canvas:
-        """The next proposal's canvas, for a caller that runs its forwards (`engine.batch`); `prefill_pending`
-        first, `propose_from(canvas.result)` when it is done."""
+        """The next proposal's canvas (`propose` runs it; a caller that runs its forwards itself, `engine.batch`,
+        calls `prefill_pending` first and `propose_from(canvas.result)` when it is done)."""
         m = self.model.cfg
         seed = block_seed(self.seed, self.block, self.retry)
         return Canvas(

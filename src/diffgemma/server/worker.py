@@ -21,7 +21,7 @@ from diffgemma.engine.batch import Request, Scheduler
 from diffgemma.engine.generate import CancelToken, GenerateOutput
 from diffgemma.server.errors import APIError
 from diffgemma.session import ops as O
-from diffgemma.session.pipeline import call
+from diffgemma.session.pipeline import call, collector
 
 log = logging.getLogger("diffgemma.server")
 
@@ -200,7 +200,7 @@ class Worker:
                 ):
                     a.events = []
                     request = self.pipeline.begin_generate(
-                        item.op, self._collect(a, item.on_event), cancel=item.cancel
+                        item.op, collector(a.events, item.on_event), cancel=item.cancel
                     )
                     if request is None:
                         exc = ValueError(a.events[-1].message)
@@ -217,15 +217,6 @@ class Worker:
                 exc = e
             except BaseException as e:  # noqa: BLE001
                 exc = e
-
-    @staticmethod
-    def _collect(a: _Active, on_event: Callable[[O.Event], None] | None) -> Callable[[O.Event], None]:
-        def emit(event: O.Event) -> None:
-            a.events.append(event)
-            if on_event is not None and not isinstance(event, O.Failed):
-                on_event(event)
-
-        return emit
 
     def _crash(self, a: _Active, exc: BaseException) -> None:
         log.error("engine job failed", exc_info=exc)

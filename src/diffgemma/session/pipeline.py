@@ -355,6 +355,9 @@ class Pipeline:
         emit `Committed`; its conversation is busy (routing passes it by) until `end_generate`. None, with `Failed`
         emitted, when the op is refused. The events, and the tokens, are those `run(op)` gives."""
         conv = self._conv()
+        if self.turn is not None and not self.turn.done:
+            emit(O.Failed("a turn is already open: EndTurn first"))
+            return None
         token = CountingCancel(cancel, self._cancel)
         step = token.counting(on_step)
         try:
@@ -375,7 +378,8 @@ class Pipeline:
         return request
 
     def abort_generate(self, request: Request) -> None:
-        """Drop a begun Generate that cannot end (its forward failed): its conversation emptied and freed."""
+        """Drop a begun Generate that cannot end (its forward failed): its conversation emptied (no half-written
+        cache) and freed."""
         conv, _ = self._flight.pop(id(request))
         self.registry.busy.discard(id(conv))
         conv.reset()
@@ -398,19 +402,16 @@ class Pipeline:
         return turn.out
 
     def _generate(self, op: O.Generate, emit: Emit, on_step=None, cancel=None) -> None:
-        conv = self._conv()
+        """`begin_generate`, the turn driven here to its end, `end_generate`."""
+        request = self.begin_generate(op, emit, on_step, cancel)
+        if request is None:
+            return
         try:
-            turn = self._open(list(op.ids), op.seed, op.max_new_tokens, op.sampler, op.logprobs)
-            self.turn = None  # driven here to its end: no per-block op reaches it
-            drive(turn, on_step, cancel, lambda t, kept: emit(O.Committed(t.out.blocks - 1, kept, t.done)))
-        except ValueError:
-            raise  # refused before the cache was written (the prompt's checks)
+            drive(request.turn, request.on_step, request.cancel, request.on_commit)
         except BaseException:
-            conv.reset()  # never leave a half-written cache behind
+            self.abort_generate(request)  # never leave a half-written cache behind
             raise
-        struck = cancel.struck_at if turn.out.finish_reason == "cancelled" else None
-        self.last_output = turn.out
-        emit(self._replied(turn, struck))
+        self.end_generate(request)
 
 
 def call(
@@ -419,16 +420,21 @@ def call(
     """Run op on a pipeline (or a stage around one) and return its events; a `Failed` one raises ValueError with
     its message, after `on_event` has seen the others."""
     events: list[O.Event] = []
+    pipeline.run(op, collector(events, on_event), **kwargs)
+    if events and isinstance(events[-1], O.Failed):
+        raise ValueError(events[-1].message)
+    return events
+
+
+def collector(events: list[O.Event], on_event: Callable[[O.Event], None] | None) -> Emit:
+    """The emit that appends to `events` and shows `on_event` every event but a `Failed`."""
 
     def emit(event: O.Event) -> None:
         events.append(event)
         if on_event is not None and not isinstance(event, O.Failed):
             on_event(event)
 
-    pipeline.run(op, emit, **kwargs)
-    if events and isinstance(events[-1], O.Failed):
-        raise ValueError(events[-1].message)
-    return events
+    return emit
 
 
 def _logprob_json(t: TokenLogprob) -> list[Any]:
