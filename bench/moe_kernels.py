@@ -82,6 +82,23 @@ def tbps(nbytes: int, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e12
 
 
+def measure(row: dict, label: str, call: Callable[[], torch.Tensor], want: torch.Tensor, nbytes: int) -> dict:
+    """One Triton config's row: its output against `want` (max |diff|, relative), its time and TB/s; a config that
+    fails to compile or run is reported in the row and the run goes on."""
+    try:
+        got = call()
+        diff = (got.float() - want.float()).abs().max().item()
+        rel = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        ms = time_graph(call)
+        row.update(ms=ms, tbps=tbps(nbytes, ms), max_abs_diff=diff, rel_diff=rel)
+        print(f"  {label} {ms:7.3f} ms  {tbps(nbytes, ms):5.2f} TB/s  max|diff| {diff:.3g}  rel {rel:.2g}")
+    except Exception as e:  # noqa: BLE001 - a config that fails to compile or run: report, go on
+        row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        print(f"  {label} FAILED {row['error']}")
+        traceback.print_exc(limit=2)
+    return row
+
+
 def bench_configs(names: list[str], scenarios: list[str], args, gate_up, down, x, g) -> list[dict]:
     nbytes = (gate_up.numel() + down.numel()) * gate_up.element_size()
     rows = []
@@ -98,22 +115,8 @@ def bench_configs(names: list[str], scenarios: list[str], args, gate_up, down, x
         for name in names:
             cfg = tm.CONFIGS[name]
             row = dict(scenario=scen, path="triton", config=name, tiles=dataclasses.asdict(cfg))
-            try:
-                got = tm.moe_experts_triton(x, w, ids, gate_up, down, cfg)
-                diff = (got.float() - want.float()).abs().max().item()
-                rel = ((got.double() - want.double()).norm() / want.double().norm()).item()
-                ms = time_graph(
-                    lambda w=w, ids=ids, cfg=cfg: tm.moe_experts_triton(x, w, ids, gate_up, down, cfg)
-                )
-                row.update(ms=ms, tbps=tbps(nbytes, ms), max_abs_diff=diff, rel_diff=rel)
-                print(
-                    f"  {name:12s} {ms:7.3f} ms  {tbps(nbytes, ms):5.2f} TB/s  max|diff| {diff:.3g}  rel {rel:.2g}"
-                )
-            except Exception as e:  # noqa: BLE001 - a config that fails to compile or run: report, go on
-                row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-                print(f"  {name:12s} FAILED {row['error']}")
-                traceback.print_exc(limit=2)
-            rows.append(row)
+            call = lambda w=w, ids=ids, cfg=cfg: tm.moe_experts_triton(x, w, ids, gate_up, down, cfg)  # noqa: E731
+            rows.append(measure(row, f"{name:12s}", call, want, nbytes))
     return rows
 
 
@@ -190,25 +193,11 @@ def bench_quant(fmts: list[str], gate_up, down, g) -> list[dict]:
                     cfg = tm.CONFIGS[name]
                     row = dict(n=n, fmt=fmt, act=act, config=name, picked=name == picked, bytes=nbytes)
                     row["tiles"] = dataclasses.asdict(cfg)
-                    try:
-                        got = tm.moe_experts_triton(xa, w, ids, qg, qd, cfg)
-                        diff = (got.float() - want.float()).abs().max().item()
-                        rel = ((got.double() - want.double()).norm() / want.double().norm()).item()
-                        ms = time_graph(
-                            lambda xa=xa, w=w, ids=ids, cfg=cfg, qg=qg, qd=qd: tm.moe_experts_triton(
-                                xa, w, ids, qg, qd, cfg
-                            )
-                        )
-                        row.update(ms=ms, tbps=tbps(nbytes, ms), max_abs_diff=diff, rel_diff=rel)
-                        print(
-                            f"  N={n:5d} {fmt} {act} {name:18s}{'*' if row['picked'] else ' '} {ms:7.3f} ms"
-                            f"  {tbps(nbytes, ms):5.2f} TB/s  max|diff| {diff:.3g}  rel {rel:.2g}"
-                        )
-                    except Exception as e:  # noqa: BLE001 - a config that fails to compile or run: report, go on
-                        row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-                        print(f"  N={n:5d} {fmt} {act} {name:18s} FAILED {row['error']}")
-                        traceback.print_exc(limit=2)
-                    rows.append(row)
+                    call = lambda xa=xa, w=w, ids=ids, cfg=cfg, qg=qg, qd=qd: tm.moe_experts_triton(  # noqa: E731
+                        xa, w, ids, qg, qd, cfg
+                    )
+                    label = f"N={n:5d} {fmt} {act} {name:18s}{'*' if row['picked'] else ' '}"
+                    rows.append(measure(row, label, call, want, nbytes))
     return rows
 
 

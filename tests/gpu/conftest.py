@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
+import torch
 
 
 @pytest.fixture
@@ -20,3 +23,16 @@ def graph_captures(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(graphs, "GraphStep", graph_step)
     return captures
+
+
+def capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """fn captured in a CUDA graph after one warm-up call outside capture (the JIT compile): (graph, its output)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

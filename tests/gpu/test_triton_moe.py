@@ -9,6 +9,7 @@ import torch
 from diffgemma.kernels import dispatch
 from diffgemma.kernels import library as fast
 from diffgemma.kernels import torch_ref as ref
+from tests.gpu.conftest import capture
 
 pytestmark = [
     pytest.mark.gpu,
@@ -129,14 +130,7 @@ def test_triton_moe_in_cuda_graph():
     """Captured once, replayed with new inputs in the same buffers (other routing, other segment sizes)."""
     gate_up, down = _weights(0)
     x, w, ids = (t.clone() for t in _inputs(4))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside capture: the JIT compile
-        fast.moe_experts(x, w, ids, gate_up, down)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fast.moe_experts(x, w, ids, gate_up, down)
+    graph, out = capture(lambda: fast.moe_experts(x, w, ids, gate_up, down))
     for new in (_inputs(5), _imbalanced(6), _inputs(7, experts=20)):
         for buf, val in zip((x, w, ids), new, strict=True):
             buf.copy_(val)

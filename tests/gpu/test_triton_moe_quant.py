@@ -12,6 +12,7 @@ from diffgemma.kernels import dispatch
 from diffgemma.kernels import library as fast
 from diffgemma.kernels import torch_ref as ref
 from diffgemma.quant.weight import QuantWeight
+from tests.gpu.conftest import capture
 
 pytestmark = [
     pytest.mark.gpu,
@@ -140,14 +141,7 @@ def test_quant_in_cuda_graph(fmt):
     """Captured once, replayed with new routing in the same buffers."""
     gate_up, down = _weights(fmt)
     x, w, ids = (t.clone() for t in _inputs(7))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside capture: the JIT compile
-        fast.moe_experts(x, w, ids, gate_up, down)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fast.moe_experts(x, w, ids, gate_up, down)
+    graph, out = capture(lambda: fast.moe_experts(x, w, ids, gate_up, down))
     for seed in (8, 9):
         for buf, val in zip((x, w, ids), _inputs(seed), strict=True):
             buf.copy_(val)
