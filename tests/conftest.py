@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from diffgemma.testing import write_tiny_checkpoint
 
@@ -43,3 +44,8 @@ def tiny_b(tmp_path_factory) -> Path:
 @pytest.fixture(params=["tiny_a", "tiny_b"])
 def tiny(request) -> Path:
     return request.getfixturevalue(request.param)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error of a against b: the norm of their difference over b's, in fp64."""
+    return float((a.double() - b.double()).norm() / b.double().norm())

@@ -15,6 +15,7 @@ from diffgemma.kernels.table import FastKernels, Kernels
 from diffgemma.runner.runner import ModelRunner
 from diffgemma.testing import write_tiny_checkpoint
 from diffgemma.weights.loader import load_model, load_weights
+from tests.conftest import rel
 
 
 @pytest.mark.parametrize("past", [0, 37])
@@ -39,10 +40,6 @@ def test_attention_causal_scores_matches_reference(past, block):
 
 def _kv_state(kv) -> list[torch.Tensor]:
     return [t for i in range(kv.cfg.num_layers) for t in kv.read(i)[:2]]
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def runner(model, kernels: str, **options) -> ModelRunner:

@@ -12,16 +12,13 @@ from diffgemma.kernels import dispatch, regions
 from diffgemma.kernels import library as fast
 from diffgemma.kernels import torch_ref as ref
 from diffgemma.runner.runner import ModelRunner
+from tests.conftest import rel
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 DEV = "cuda"
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 @pytest.mark.parametrize("n", [256, 4096])

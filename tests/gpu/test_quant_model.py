@@ -14,16 +14,13 @@ from diffgemma.quant.weight import QuantWeight
 from diffgemma.runner.runner import ModelRunner
 from diffgemma.testing import write_tiny_checkpoint
 from diffgemma.weights.loader import load_model
+from tests.conftest import rel
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 DEV = "cuda"
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 @pytest.mark.parametrize("m", [1, 16, 256, 4096])

@@ -9,6 +9,7 @@ import torch
 from diffgemma.kernels import dispatch
 from diffgemma.kernels import library as fast
 from diffgemma.kernels import torch_ref as ref
+from tests.conftest import rel
 from tests.gpu.conftest import capture
 
 pytestmark = [
@@ -18,10 +19,6 @@ pytestmark = [
 tm = pytest.importorskip("diffgemma.kernels.triton_moe", reason="needs triton")
 DEV = "cuda"
 N, K, E, H, INTER = 256, 8, 128, 2816, 704
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _weights(seed: int) -> tuple[torch.Tensor, torch.Tensor]:

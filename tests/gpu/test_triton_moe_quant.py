@@ -12,6 +12,7 @@ from diffgemma.kernels import dispatch
 from diffgemma.kernels import library as fast
 from diffgemma.kernels import torch_ref as ref
 from diffgemma.quant.weight import QuantWeight
+from tests.conftest import rel
 from tests.gpu.conftest import capture
 
 pytestmark = [
@@ -26,10 +27,6 @@ FORMATS = ("int4", "fp8")
 BF16_CANDIDATES = tm.QUANT_CANDIDATES
 PREFILL_CANDIDATES = [c for c in BF16_CANDIDATES if "prefill" in c]
 FP32_CANDIDATES = [tm.SPLIT3_CONFIG, tm.QUANT_CONFIG["int4"]]
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 _QUANTIZED: dict[str, tuple[QuantWeight, QuantWeight]] = {}
