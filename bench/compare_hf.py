@@ -211,8 +211,8 @@ def per_layer(model: DiffusionGemma, kernels: Kernels, captured, kv) -> dict[str
     saved, model.kernels = model.kernels, kernels
     try:
         if kernels.fast:
-            geometry = torch.tensor(kv.denoise_geometry(c), dtype=torch.int32, device=model.device)
-            p = Pass.denoise([kv], c, geometry, kv.length + c)
+            geometry = torch.tensor([kv.denoise_geometry(c)], dtype=torch.int32, device=model.device)
+            p = Pass.denoise([kv], c, geometry, [kv.length + c])
         else:
             p = Pass.denoise([kv], c)
         rows = []

@@ -399,9 +399,10 @@ def concurrency(runner: ModelRunner, opts: BenchOptions, ns: list[int], g) -> di
     """N requests started together through the `Scheduler` (each a `gen_prompt`-token prompt, CONCURRENT_BLOCKS
     blocks of `fixed_steps` steps, early stops off): aggregate generated tok/s, mean ms a scheduler step (one denoise
     step of every running canvas, and the commits due), peak GPU memory. Prompt prefill is excluded, as in
-    `generate_tok_s`."""
+    `generate_tok_s`. For the largest N, each request is then run alone on its cache: `solo_equal` is the share of
+    requests whose tokens equal their solo run's (batch invariance, measured)."""
     from diffgemma.engine.batch import Request, Scheduler
-    from diffgemma.engine.generate import Turn
+    from diffgemma.engine.generate import Turn, drive
 
     cfg, device = runner.model.cfg, runner.device
     c, steps = cfg.canvas_length, max(opts.fixed_steps, 1)
@@ -409,16 +410,18 @@ def concurrency(runner: ModelRunner, opts: BenchOptions, ns: list[int], g) -> di
     res: dict[str, Any] = {}
     for n in ns:
         # a cache a request, kept across the repetitions as a server keeps its conversations': the CUDA graphs the
-        # warm-up captures (each tied to its cache) serve the timed run
+        # warm-up captures (each tied to its caches) serve the timed run
         caches = [runner.new_cache(opts.gen_prompt + (CONCURRENT_BLOCKS + 1) * c) for _ in range(n)]
         for rep in range(2):  # the first: warm-up (compiles, graph captures)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             sched = Scheduler(runner, max_batch=max(ns))
+            prompts = [
+                torch.randint(0, cfg.vocab_size, (opts.gen_prompt,), generator=g).tolist() for _ in caches
+            ]
             turns = []
-            for kv in caches:
+            for kv, prompt in zip(caches, prompts, strict=True):
                 kv.reset()
-                prompt = torch.randint(0, cfg.vocab_size, (opts.gen_prompt,), generator=g).tolist()
                 turns.append(
                     Turn(runner, prompt, kv, sampler, seed=rep, max_new_tokens=CONCURRENT_BLOCKS * c)
                 )
@@ -432,15 +435,30 @@ def concurrency(runner: ModelRunner, opts: BenchOptions, ns: list[int], g) -> di
             _sync(device)
             wall = time.perf_counter() - t0
         tokens = sum(len(t.out.token_ids) for t in turns)
-        res[str(n)] = {
+        row = res[str(n)] = {
             "tok_s": tokens / wall,
             "step_ms": wall / count * 1e3,
             "canvases_per_forward": max(sched.forwards) if sched.forwards else 0,
             "peak_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
         }
+        if "1" in res and n > 1:
+            row["ms_per_added_canvas"] = (row["step_ms"] - res["1"]["step_ms"]) / (n - 1)
+            row["speedup"] = row["tok_s"] / res["1"]["tok_s"]
+        if n == max(ns) and n > 1:
+            batched = [t.out.token_ids for t in turns]
+            solo = []
+            for kv, prompt in zip(caches, prompts, strict=True):
+                kv.reset()
+                turn = Turn(runner, prompt, kv, sampler, seed=1, max_new_tokens=CONCURRENT_BLOCKS * c)
+                solo.append(drive(turn).token_ids)
+            row["solo_equal"] = sum(a == b for a, b in zip(batched, solo, strict=True)) / n
+            row["solo_equal_tokens"] = sum(
+                x == y for a, b in zip(batched, solo, strict=True) for x, y in zip(a, b, strict=False)
+            ) / max(1, sum(len(a) for a in batched))
         log(
-            f"diffgemma: {n} concurrent: {res[str(n)]['tok_s']:,.0f} tok/s, {res[str(n)]['step_ms']:.2f} ms a step, "
-            f"{res[str(n)]['canvases_per_forward']} canvases a forward"
+            f"diffgemma: {n} concurrent: {row['tok_s']:,.0f} tok/s, {row['step_ms']:.2f} ms a step, "
+            f"{row['canvases_per_forward']} canvases a forward, peak {row['peak_gib'] or 0:.1f} GiB"
+            + (f", {row['solo_equal']:.0%} of requests equal their solo run" if "solo_equal" in row else "")
         )
         del turns, sched, caches
         gc.collect()

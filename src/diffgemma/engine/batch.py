@@ -5,7 +5,9 @@ denoising; a request's tokens do not depend on what shares its forward.
 
 Each canvas's decoder input (its embeddings and the SC MLP on its own soft signal: probabilities, the first-step
 seed, or none, exact or not) is computed on its own rows, as a lone canvas's is; the layers and the LM head then run
-once over every canvas's rows. On the reference kernels (any device) that is the same arithmetic row for row."""
+once over every canvas's rows, attention row by row. On the reference kernels (any device) that is the same
+arithmetic row for row; on the GPU's fast kernels a GEMM over more rows may sum in another order
+(docs/performance.md, "Many canvases per forward")."""
 
 from __future__ import annotations
 
@@ -15,39 +17,63 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diffgemma.engine.generate import CancelToken, Canvas, StepInfo, Turn, default_commit, step_canvas
+from diffgemma.engine.generate import (
+    CancelToken,
+    Canvas,
+    StepInfo,
+    Turn,
+    default_commit,
+    step_canvas,
+    sync,
+)
 from diffgemma.model.kv_cache import KVCache
-from diffgemma.model.passes import Pass
-from diffgemma.runner.runner import ModelRunner
+from diffgemma.runner.runner import DenoiseInput, ModelRunner
 
 
 @torch.no_grad()
 def denoise_step(runner: ModelRunner, items: list[tuple[Canvas, KVCache]]) -> list[StepInfo]:
     """One forward for every (canvas, cache) of equal canvas length, then each canvas's step: a lone canvas through
-    the runner (its fast path and graphs, `step_canvas`), several through the model's batched pass."""
+    the runner's own path (its graphs, `step_canvas`), several through `ModelRunner.denoise_many` (one that cannot
+    share a pass, `ModelRunner.batches`, on its own)."""
     if not items:
         return []
     c = items[0][0].length
     if any(cv.length != c for cv, _ in items):
         raise ValueError("denoise_step takes canvases of one length")
-    if len(items) == 1:  # its SC input in its own buffer: the next forward may be another canvas's
-        return [step_canvas(runner, *items[0], private_sc=True)]
-    if runner.fast:
-        raise ValueError("the fast kernels take one canvas a pass: batch on the reference kernels")
-    model = runner.model
-    x = []
-    for cv, _ in items:
-        probs, seed, exact = cv.sc_input()
-        x.append(model.decoder_input(model.check_ids(cv.ids, 1).reshape(-1), probs, seed, exact))
-    h = model.layers_forward(torch.cat(x), Pass.denoise([kv for _, kv in items], c))
-    logits = model.logits(h, raw=True).view(len(items), c, -1)
-    infos = []
-    for b, (cv, _) in enumerate(items):
-        sc_out = None
-        if cv.cfg.sc_sparse:  # in the model's dtype, as a lone canvas's buffer is (`denoise_block`)
-            sc_out = torch.empty(c, logits.shape[-1], device=logits.device, dtype=model.dtype)
-        infos.append(cv.step(logits[b], sc_out))
+    shared = [i for i, (_, kv) in enumerate(items) if runner.batches(kv, c)]
+    infos: list[StepInfo | None] = [None] * len(items)
+    if len(shared) > 1:
+        inputs = [DenoiseInput(cv.ids, kv, *cv.sc_input()) for cv, kv in (items[i] for i in shared)]
+        logits = runner.denoise_many(inputs)
+        stops = []
+        for b, i in enumerate(shared):
+            cv = items[i][0]
+            sc_out = None
+            if cv.cfg.sc_sparse:  # in the model's dtype, as a lone canvas's buffer is (`step_canvas`)
+                sc_out = torch.empty(c, logits.shape[-1], device=logits.device, dtype=runner.dtype)
+            infos[i], stop = cv.advance(logits[b], sc_out)
+            stops.append(stop)
+        for b, stop in enumerate(torch.stack(stops).tolist()):  # one host read for the pass's canvases
+            items[shared[b]][0].settle(stop, logits[b])
+    for i, (cv, kv) in enumerate(items):
+        if infos[i] is None:  # its SC input in its own buffer: the next forward may be another canvas's
+            infos[i] = step_canvas(runner, cv, kv, private_sc=True)
     return infos
+
+
+def prefill_pending(runner: ModelRunner, turns: list[Turn]) -> None:
+    """`Turn.prefill_pending` of every turn: the commits that fit their canvas slots in one pass
+    (`ModelRunner.commit_many`), the rest one by one."""
+    due = [t for t in turns if t.pending and runner.commits_on_canvas(t.kv, len(t.pending))]
+    if len(due) > 1:
+        t0 = time.perf_counter()
+        runner.commit_many([(t.pending, t.kv) for t in due])
+        sync(runner)
+        for t in due:
+            t.pending = []
+            t.out.prefill_seconds += time.perf_counter() - t0  # the pass it waited for
+    for t in turns:
+        t.prefill_pending()
 
 
 @dataclass
@@ -76,8 +102,7 @@ class Scheduler:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         self.runner = runner
-        # the fast kernels take one canvas a pass (for now): there a step runs the canvases one by one
-        self.max_batch = 1 if runner.fast else max_batch
+        self.max_batch = max_batch
         self.requests: list[Request] = []
         self.forwards: list[int] = []  # canvases a forward, one entry a forward (metrics, tests)
 
@@ -90,16 +115,16 @@ class Scheduler:
         return [r for r in self.requests if not r.done]
 
     def step(self) -> None:
+        opening = [r for r in self.active if r.canvas is None]
+        # a commit is prefilled before its turn goes on or ends (cancelled), as a lone turn's is
+        prefill_pending(self.runner, [r.turn for r in opening])
         live = []
         for r in self.active:
             if r.cancel is not None and r.cancel.cancelled:
-                if r.canvas is None:
-                    r.turn.prefill_pending()  # a commit is prefilled before the turn ends, as a lone turn's is
                 r.turn.propose_from(None)
                 r.canvas = None
                 continue
             if r.canvas is None:
-                r.turn.prefill_pending()
                 r.canvas = r.turn.canvas()
             live.append(r)
         groups: dict[int, list[Request]] = {}

@@ -135,7 +135,15 @@ class Canvas:
 
     def step(self, logits: torch.Tensor, sc_out: torch.Tensor | None) -> StepInfo:
         """Advance by one forward's logits [C, V] (before the final softcap): the sampler's row pass (the next SC
-        input into `sc_out` when sparse), accept, renoise, the stop rules."""
+        input into `sc_out` when sparse), accept, renoise, the stop rules (`advance`), then `settle` on their
+        verdict: the one host read of a step."""
+        info, stop = self.advance(logits, sc_out)
+        self.settle(bool(stop), logits)
+        return info
+
+    def advance(self, logits: torch.Tensor, sc_out: torch.Tensor | None) -> tuple[StepInfo, torch.Tensor]:
+        """`step` without its host read: the step's info and the stop rules' verdict (a 0-d bool on the device),
+        which the caller hands to `settle` (after queueing other canvases' steps: one host read for them all)."""
         cfg, i = self.cfg, self.i
         temp = S.temperature(cfg, self.steps_max - i)
         stats = self.stats = S.row_stats(
@@ -149,13 +157,17 @@ class Canvas:
         self.ids = torch.where(mask, denoised, self.noise[i + 1])  # renoise every non-accepted row
         stop = self.stops.update(i + 1, stats.argmax, stats.entropy, mask)
         self.i = i + 1
-        info = StepInfo(self.block, i + 1, temp, stats.argmax, mask, stats.entropy.mean())
-        if bool(stop) or self.i == self.steps_max:  # the one host read per step
+        return StepInfo(self.block, i + 1, temp, stats.argmax, mask, stats.entropy.mean()), stop
+
+    def settle(self, stop: bool, logits: torch.Tensor) -> None:
+        """End the block if the stop rules said so or its steps are used up: its result from the last step (and
+        `logits`, that step's, still in place: no forward ran after it)."""
+        if stop or self.i == self.steps_max:
+            stats = self.stats
             self.done = True
             self.result = BlockResult(stats.argmax.tolist(), stats.p_max.tolist(), self.i)
-            if self.logprobs is not None:  # the last step's logits are still in place (no step ran after it)
+            if self.logprobs is not None:
                 self.result.logprobs = token_logprobs(logits, stats.argmax, self.logprobs, self.softcap)
-        return info
 
 
 def denoise_block(
@@ -308,7 +320,7 @@ class Turn:
         self.proposal: Proposal | None = None
         t0 = time.perf_counter()
         prefill(model, list(prompt_ids), kv, cfg)
-        _sync(model)
+        sync(model)
         self.out.prefill_seconds += time.perf_counter() - t0
 
     @property
@@ -337,7 +349,7 @@ class Turn:
             t0 = time.perf_counter()
             prefill(self.model, self.pending, self.kv, self.cfg)
             self.pending = []
-            _sync(self.model)
+            sync(self.model)
             self.out.prefill_seconds += time.perf_counter() - t0
 
     def canvas(self) -> Canvas:
@@ -460,6 +472,7 @@ def generate(
     return drive(turn, on_step, cancel, on_commit)
 
 
-def _sync(model: ModelRunner) -> None:
+def sync(model: ModelRunner) -> None:
+    """Wait for the model's device (CUDA), so that host clocks time its work."""
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)

@@ -4,7 +4,8 @@ small ops between them as `torch.compile`d regions). The model calls its steps t
 never picks a backend itself; `runner.ModelRunner` picks one at construction.
 
 Every fast step computes what its reference computes (tests pin them: fp32 on CPU bit for bit where the same
-ops run, tests/gpu on the device). The fast steps serve one row (B = 1); batched canvases take the reference.
+ops run, tests/gpu on the device). The fast steps prefill one row a pass; several canvases share a pass, their
+attention run row by row, everything else over all of their rows at once.
 """
 
 from __future__ import annotations
@@ -197,16 +198,18 @@ class FastKernels(Kernels):
         self._side: dict[torch.device, torch.cuda.Stream] = {}
 
     def _r(self, p: Pass) -> dict:
-        return self.prefill_regions if p.phase == PREFILL else self.regions
+        """The regions for this pass: fixed shapes for a lone canvas, any row count for a prefill chunk or several
+        canvases (a batch of each size would otherwise be a compile of its own)."""
+        return self.prefill_regions if p.phase == PREFILL or p.batch > 1 else self.regions
 
     @staticmethod
     def _geometry(p: Pass) -> torch.Tensor:
-        """The pass's cache geometry on the device: the runner's buffer (what its CUDA graph reads), else made here
-        from the row's cache, with the exact key count."""
+        """The pass's cache geometry on the device, [B, 5]: the runner's buffer (what its CUDA graph reads), else made
+        here from the rows' caches, with the exact key counts."""
         if p.geometry is None:
-            kv = p.caches[0]
-            p.geometry = torch.tensor(kv.denoise_geometry(p.t), dtype=torch.int32, device=kv.device)
-            p.full_keys = kv.length + p.t
+            geo = [kv.denoise_geometry(p.t) for kv in p.caches]
+            p.geometry = torch.tensor(geo, dtype=torch.int32, device=p.caches[0].device)
+            p.full_keys = [kv.length + p.t for kv in p.caches]
         return p.geometry
 
     @staticmethod
@@ -228,22 +231,38 @@ class FastKernels(Kernels):
         return self._r(p)["norm"](x, w, eps)
 
     def qk_norm_rope(self, qkv, layer, inv_freq, eps, p: Pass):
-        """One row's Q, and its K/V: written straight into the cache's canvas slots on a denoise or commit pass
-        (`kv_slot` read on the device), returned stacked [2, Hkv, T, d] on a prefill pass (attention writes it)."""
-        if p.batch != 1:
+        """Q [B, H, T, d], and the K/V: written straight into each row's cache at its canvas slots on a denoise or
+        commit pass (`kv_slot` read on the device; the layer's cache buffer is returned for one row, None for
+        several), returned stacked [2, Hkv, T, d] on a prefill pass (one row; attention writes it). Several
+        canvases run one by one here and in `attention`, each exactly as it would alone."""
+        b, t = p.batch, p.t
+        if b != 1 and p.phase == PREFILL:
             raise NotImplementedError(
-                "the fast kernels take one row a pass; batched canvases take the reference"
+                "the fast kernels prefill one row a pass; batched rows take the reference"
             )
         if self._wide(qkv, layer.q_norm):
+            if b != 1:
+                raise NotImplementedError("fp32 activations on the fast kernels take one row a pass")
             q, kv = super().qk_norm_rope(qkv, layer, inv_freq, eps, p)
             return q, kv[:, 0]
+        cos, sin = p.cos_sin("sliding" if layer.sliding else "full", inv_freq, qkv.dtype)
+        rows = [slice(i * t, (i + 1) * t) for i in range(b)]
+        outs = [
+            self._qk_row(qkv[r], layer, inv_freq, cos[r], sin[r], p.positions[r], eps, p, i)
+            for i, r in enumerate(rows)
+        ]
+        if b == 1:
+            return outs[0]
+        return torch.cat([q for q, _ in outs]), None
+
+    def _qk_row(self, qkv, layer, inv_freq, cos, sin, positions, eps, p: Pass, row: int):
+        """`qk_norm_rope` of one row's T tokens."""
         t, hd, nq, nkv = qkv.shape[0], layer.head_dim, layer.n_heads, layer.n_kv
         kv_out = kv_slot = None
         if p.phase in (DENOISE, COMMIT):
-            kv_out = p.caches[0].kv[layer.idx]
-            geo = self._geometry(p)
+            kv_out = p.caches[row].kv[layer.idx]
+            geo = self._geometry(p)[row]
             kv_slot = geo[3:4] if layer.sliding else geo[0:1]
-        cos, sin = p.cos_sin("sliding" if layer.sliding else "full", inv_freq, qkv.dtype)
         if hd >= 2 and hd & (hd - 1) == 0:
             out = dispatch.attempt(
                 "triton_qkv",
@@ -256,7 +275,7 @@ class FastKernels(Kernels):
                 return out
         q, k_raw, v = _split_qkv(qkv, layer)
         q, kv_new = self._r(p)["qkv_post"](
-            q, k_raw, v, layer.q_norm, layer.k_norm, inv_freq, p.positions, eps, True
+            q, k_raw, v, layer.q_norm, layer.k_norm, inv_freq, positions, eps, True
         )
         if kv_slot is not None:
             kv_out.index_copy_(2, kv_slot.long() + torch.arange(t, device=kv_slot.device), kv_new)
@@ -264,10 +283,14 @@ class FastKernels(Kernels):
         return q, kv_new
 
     def attention(self, q, kv, layer, p: Pass, window: int):
-        cache = p.caches[0]
         if p.phase == PREFILL:
-            return self._prefill_attention(q, kv, layer, cache, p, window)
-        geo, c = self._geometry(p), q.shape[2]
+            return self._prefill_attention(q, kv, layer, p.caches[0], p, window)
+        outs = [self._canvas_attention(q[i : i + 1], layer, p, i, window) for i in range(p.batch)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _canvas_attention(self, q, layer, p: Pass, row: int, window: int) -> torch.Tensor:
+        """One row's canvas over its cache (denoise: unmasked; commit: causal), as o_proj's rows [T, H*d]."""
+        cache, geo, c = p.caches[row], self._geometry(p)[row], q.shape[2]
         buf = cache.kv[layer.idx]  # the canvas's K/V already sit in its canvas slots (`qk_norm_rope`)
         causal = p.phase == COMMIT
         if layer.sliding:  # the window before the canvas and the canvas: slots geo[1] .. geo[1] + geo[2]
@@ -277,7 +300,8 @@ class FastKernels(Kernels):
             else:
                 out = library.attention_nomask(q, buf[0:1], buf[1:2], span=span)
         else:  # keys 0 .. length + c, of full_keys
-            k, v = buf[0:1, :, : p.full_keys], buf[1:2, :, : p.full_keys]
+            n = p.full_keys[row]
+            k, v = buf[0:1, :, :n], buf[1:2, :, :n]
             attend = library.attention_commit if causal else library.attention_nomask
             out = attend(q, k, v, valid=geo[4:5])
         return ref.rows(out)

@@ -26,10 +26,10 @@ class Pass:
     positions: torch.Tensor  # [B * T] on the device
     starts: list[int]  # each row's first position
     valid: int | None = None  # PREFILL: the real rows of a padded chunk; the rest write nothing
-    # One row on the fast kernels, read on the device so that a CUDA graph serves every cache length:
-    # `KVCache.denoise_geometry` (int32 [5]) and the keys the full layers attend over (a bucket of them).
+    # The fast kernels' canvas passes, read on the device so that a CUDA graph serves every cache length: each
+    # row's `KVCache.denoise_geometry` (int32 [B, 5]) and the keys its full layers attend over (a bucket of them).
     geometry: torch.Tensor | None = None
-    full_keys: int | None = None
+    full_keys: list[int] | None = None
     window_bias: torch.Tensor | None = None  # PREFILL on the fast kernels: the sliding layers' mask
     masks: dict[bool, torch.Tensor] | None = None  # TRAIN: [B, 1, T, T] True = attend, by `sliding`
     is_prompt: torch.Tensor | None = None  # TRAIN: [1, T, 1] True on prompt slots (the encoder's scalar)
@@ -66,15 +66,16 @@ class Pass:
         caches: list[KVCache],
         c: int,
         geometry: torch.Tensor | None = None,
-        full_keys: int | None = None,
+        full_keys: list[int] | None = None,
         phase: str = DENOISE,
     ) -> Pass:
-        """A canvas of c tokens a row after each cache. With `geometry` (a device buffer holding one cache's
-        `denoise_geometry(c)`, as a CUDA graph reads it) the positions are computed from it on the device."""
+        """A canvas of c tokens a row after each cache. With `geometry` (a device buffer [B, 5] holding each
+        cache's `denoise_geometry(c)`, as a CUDA graph reads it) the positions are computed from it on the
+        device."""
         starts = [kv.length for kv in caches]
         device = caches[0].device
         if geometry is not None:
-            positions = geometry[0] + torch.arange(c, device=device)
+            positions = (geometry[:, :1] + torch.arange(c, device=device)).reshape(-1)
         else:
             positions = torch.cat([torch.arange(s, s + c, device=device) for s in starts])
         return cls(phase, caches, c, positions, starts, geometry=geometry, full_keys=full_keys)

@@ -18,6 +18,9 @@ FULL_KEY_BUCKET = 1024
 # graphs"): one-shot requests on the engine's cache, a conversation rewound below a bucket, and a server's
 # requests alternating between conversations replay instead of capturing again.
 GRAPH_BUCKETS = 16
+# Sets of caches (several canvases in one pass, `DenoiseGraphs.get_batch`) whose graphs are kept, least recently
+# used dropped first: a server's running set changes as requests come and go, and an old set rarely returns.
+BATCH_GRAPHS = 8
 
 
 class GraphStep:
@@ -71,6 +74,9 @@ class DenoiseGraphs:
         self._graphs: dict[tuple, tuple[weakref.ref, dict[tuple, GraphStep]]] = {}
         self._pool = None
         self._io: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # a set of caches' graphs by (mode, each cache's key); None: the set was seen once, not yet captured
+        self._batch: dict[tuple, tuple[tuple[weakref.ref, ...], GraphStep | None]] = {}
+        self._batch_out: dict[int, torch.Tensor] = {}
 
     def io(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits every denoise graph of canvas length c writes (before the softcap, the model's dtype,
@@ -101,12 +107,42 @@ class DenoiseGraphs:
         step = entry[1].get(mode)
         if step is None:
             # Capturing into a pool none of whose graphs is alive failed (torch's allocator asserts): a new one.
-            if not any(graphs for _, graphs in self._graphs.values()):
+            if not self._any_live():
                 self._pool = torch.cuda.graph_pool_handle()
             sc = None if sc is None else self.io(ids.shape[0])[1].copy_(sc)
             step = GraphStep(fn, ids, sc, self._pool)
             entry[1][mode] = step
         return step
+
+    def _any_live(self) -> bool:
+        return any(g for _, g in self._graphs.values()) or any(s for _, s in self._batch.values())
+
+    def batch_out(self, rows: int) -> torch.Tensor:
+        """The logits every batched denoise graph of `rows` canvas rows writes ([rows, V], the model's dtype)."""
+        if rows not in self._batch_out:
+            self._batch_out[rows] = torch.empty(rows, self.vocab, device=self.device, dtype=self.dtype)
+        return self._batch_out[rows]
+
+    def get_batch(
+        self, kvs: list[KVCache], mode: tuple, c: int, fn: Callable, x: torch.Tensor
+    ) -> GraphStep | None:
+        """The graph of `fn` (one pass over canvases of c rows, one after each of `kvs`) for this set of caches and
+        their key buckets: None the first time the set comes (the caller runs `fn` eagerly), captured the second:
+        a set that ran once may never return, one that ran twice is a batch's block of steps."""
+        key = (mode, tuple(self._key(kv, c) for kv in kvs))
+        refs, step = self._batch.pop(key, ((), None))
+        # new, or a freed cache's id and memory reused: a graph never outlives its caches in use
+        fresh = len(refs) != len(kvs) or any(r() is not kv for r, kv in zip(refs, kvs, strict=False))
+        if fresh:
+            refs, step = tuple(weakref.ref(kv) for kv in kvs), None
+        elif step is None:
+            if not self._any_live():
+                self._pool = torch.cuda.graph_pool_handle()
+            step = GraphStep(fn, x, None, self._pool)
+        self._batch[key] = (refs, step)  # the most recently used last
+        while len(self._batch) > BATCH_GRAPHS:
+            del self._batch[next(iter(self._batch))]
+        return None if fresh else step
 
     def sc_input(self, kv: KVCache, c: int) -> torch.Tensor | None:
         """The SC input buffer of this cache's denoise graph with SC, if it was captured."""
@@ -118,8 +154,11 @@ class DenoiseGraphs:
 
     def clear(self) -> None:
         self._graphs.clear()
+        self._batch.clear()
         self._pool = None
         self._io.clear()
+        self._batch_out.clear()
 
     def __len__(self) -> int:
-        return sum(len(graphs) for _, graphs in self._graphs.values())
+        solo = sum(len(graphs) for _, graphs in self._graphs.values())
+        return solo + sum(step is not None for _, step in self._batch.values())

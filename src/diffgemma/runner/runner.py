@@ -6,6 +6,7 @@ runner, never the model's forward directly."""
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,17 @@ from diffgemma.model.kv_cache import KVCache
 from diffgemma.model.model import DiffusionGemma
 from diffgemma.model.passes import COMMIT, Pass
 from diffgemma.runner.graphs import DenoiseGraphs, GraphStep, full_keys
+
+
+class DenoiseInput(NamedTuple):
+    """One canvas of a `ModelRunner.denoise_many` pass: its ids [C], its cache, its SC input (`Canvas.sc_input`)."""
+
+    ids: torch.Tensor
+    kv: KVCache
+    probs: torch.Tensor | None
+    seed: bool
+    exact: bool
+
 
 # A prompt of up to PREFILL_GRAPH_MAX tokens into an empty cache is padded to a multiple of PREFILL_GRAPH_BUCKET
 # and, on CUDA, replayed as a CUDA graph: eagerly its ~950 launches bound it by the host (docs/performance.md,
@@ -41,9 +53,8 @@ class ModelRunner:
         model.kernels = FastKernels(compile=self.config.compile) if self.fast else Kernels()
         self.graphs_on = self.fast and self.config.graphs and model.device.type == "cuda"
         self.graphs = DenoiseGraphs(model.device, model.cfg.vocab_size, model.dtype, model.embed.dtype)
-        self._geometry: torch.Tensor | None = (
-            None  # `KVCache.denoise_geometry` on the device, as graphs read it
-        )
+        # by row count: each cache's `KVCache.denoise_geometry` on the device, as graphs read it
+        self._geometry: dict[int, torch.Tensor] = {}
         self._prefill_graphs: dict[
             int, GraphStep | None
         ] = {}  # padded length -> graph (None: ran eagerly once)
@@ -93,8 +104,8 @@ class ModelRunner:
             kv.length == 0 and t <= min(self.config.prefill_chunk, PREFILL_GRAPH_MAX) and dtype == self.dtype
         ):
             self._prefill_padded(ids, kv)
-        elif kv.length > 0 and t <= kv.canvas_slots and dtype == self.dtype and kv.dtype == self.dtype:
-            self._commit(ids, kv)
+        elif dtype == self.dtype and self.commits_on_canvas(kv, t):
+            self._commit([(ids, kv)])
         else:
             for s in range(0, t, self.config.prefill_chunk):
                 self.model.prefill(ids[s : s + self.config.prefill_chunk], kv, compute_dtype=dtype)
@@ -152,29 +163,61 @@ class ModelRunner:
             kv.write(layer.idx, 0, stage.kv[layer.idx][:, :, :t])
         kv.length = t
 
-    def _commit(self, ids: torch.Tensor, kv: KVCache) -> None:
-        """ids [t] (t <= the canvas slots) after a non-empty cache (a block's commit, a short turn): a prefill run
-        on the canvas slots as a denoise step runs, causal, padded with pad tokens to the canvas (no real row sees
-        them), and graphed on CUDA like the denoise step (docs/performance.md, "CUDA graphs"). The canvas slots are
-        the full layers' own positions; a sliding layer's K/V are then written to its ring from there."""
-        c, t, start = kv.canvas_slots, ids.shape[0], kv.length
-        padded = F.pad(ids, (0, c - t), value=self.cfg.pad_token_id or 0).to(self.device)
-        geometry = self._load_geometry(kv, c)
-        first_slot = kv.denoise_geometry(c)[3]  # the sliding layers' first canvas slot
+    def commits_on_canvas(self, kv: KVCache, t: int) -> bool:
+        """Whether t new tokens after `kv` prefill as a commit on its canvas slots (`_commit`): the fast kernels, a
+        non-empty cache in the model's dtype, at most a canvas of tokens."""
+        return self.fast and kv.length > 0 and t <= kv.canvas_slots and kv.dtype == self.dtype
+
+    @torch.no_grad()
+    def commit_many(self, items: list[tuple[list[int], KVCache]]) -> None:
+        """`prefill` of each (ids, kv) where every one `commits_on_canvas`: one commit pass for all of them."""
+        if not items:
+            return
+        if not all(self.commits_on_canvas(kv, len(ids)) and ids for ids, kv in items):
+            raise ValueError("commit_many takes non-empty commits that fit their caches' canvas slots")
+        self._commit([(torch.tensor(ids, dtype=torch.long), kv) for ids, kv in items])
+        for ids, kv in items:
+            if kv.knows_tokens():
+                kv.tokens.extend(ids)
+
+    def _commit(self, items: list[tuple[torch.Tensor, KVCache]]) -> None:
+        """Each ids [t] (t <= the canvas slots) after its non-empty cache (a block's commit, a short turn), all in
+        one pass: a prefill run on the canvas slots as a denoise step runs, causal, each row padded with pad
+        tokens to the canvas (no real row sees them), and graphed on CUDA like the denoise step
+        (docs/performance.md, "CUDA graphs"). The canvas slots are the full layers' own positions; a sliding
+        layer's K/V are then written to its ring from there."""
+        kvs = [kv for _, kv in items]
+        c, pad = kvs[0].canvas_slots, self.cfg.pad_token_id or 0
+        padded = torch.cat([F.pad(ids, (0, c - ids.shape[0]), value=pad) for ids, _ in items]).to(self.device)
+        geometry = self._load_geometry(kvs, c)
+        keys = [full_keys(kv, c) for kv in kvs]
         model = self.model
 
         def forward(i: torch.Tensor, _) -> torch.Tensor:
-            p = Pass.denoise([kv], c, geometry, full_keys(kv, c), phase=COMMIT)
+            p = Pass.denoise(kvs, c, geometry, keys, phase=COMMIT)
             return model.layers_forward(model.embed_tokens(i), p)
 
-        if self.graphs_on:
-            self.graphs.get(kv, ("commit", c), forward, padded, None)(padded, None)
+        step = self._graph(kvs, ("commit", c), c, forward, padded)
+        if step is not None:
+            step(padded, None)
         else:
             forward(padded, None)
-        for layer in model.layers:
-            if layer.sliding:
-                kv.write(layer.idx, start, kv.kv[layer.idx][:, :, first_slot : first_slot + t].clone())
-        kv.length = start + t
+        for ids, kv in items:
+            start, t = kv.length, ids.shape[0]
+            first_slot = kv.denoise_geometry(c)[3]  # the sliding layers' first canvas slot
+            for layer in model.layers:
+                if layer.sliding:
+                    kv.write(layer.idx, start, kv.kv[layer.idx][:, :, first_slot : first_slot + t].clone())
+            kv.length = start + t
+
+    def _graph(self, kvs: list[KVCache], mode: tuple, c: int, fn, x: torch.Tensor) -> GraphStep | None:
+        """The CUDA graph of a canvas pass over these caches: a lone cache's captured on first use, a set's from its
+        second use (`DenoiseGraphs.get_batch`); None without graphs, or a set's first use (run `fn` eagerly)."""
+        if not self.graphs_on:
+            return None
+        if len(kvs) == 1:
+            return self.graphs.get(kvs[0], mode, fn, x, None)
+        return self.graphs.get_batch(kvs, mode, c, fn, x)
 
     @torch.no_grad()
     def rewind(self, kv: KVCache, pos: int) -> None:
@@ -221,12 +264,12 @@ class ModelRunner:
         # no room for the canvas in the cache's own slots, or an SC input the graphs do not take
         if c > kv.canvas_slots or kv.dtype != model.dtype or (sc_exact and sc_probs is not None):
             return model.denoise(canvas[None], kv, sc_probs=sc_probs, **sc)
-        geometry = self._load_geometry(kv, c)
+        geometry = self._load_geometry([kv], c)
 
         def forward(
             ids: torch.Tensor, sc: torch.Tensor | None, out: torch.Tensor | None = None
         ) -> torch.Tensor:
-            p = Pass.denoise([kv], c, geometry, full_keys(kv, c))
+            p = Pass.denoise([kv], c, geometry, [full_keys(kv, c)])
             seed = sc_seed and sc is None
             return model.denoise(ids[None], kv, sc_probs=sc, sc_seed=seed, raw=True, out=out, p=p)[0]
 
@@ -245,12 +288,51 @@ class ModelRunner:
         model's dtype): SC probabilities written there are not copied in again by the next `denoise`."""
         return self.graphs.sc_input(kv, canvas_len) if self.graphs_on else None
 
-    def _load_geometry(self, kv: KVCache, c: int) -> torch.Tensor:
-        """`kv.denoise_geometry(c)` into the device buffer the fast denoise and commit passes read (a graph too)."""
-        if self._geometry is None or self._geometry.device != self.device:
-            self._geometry = torch.zeros(5, dtype=torch.int32, device=self.device)
-        self._geometry.copy_(torch.tensor(kv.denoise_geometry(c), dtype=torch.int32))
-        return self._geometry
+    def batches(self, kv: KVCache, c: int) -> bool:
+        """Whether a canvas of c after `kv` can share a pass with others (`denoise_many`): on the fast kernels it
+        needs room in the cache's own canvas slots and the model's dtype."""
+        return not self.fast or (c <= kv.canvas_slots and kv.dtype == self.dtype)
+
+    @torch.no_grad()
+    def denoise_many(self, canvases: list[DenoiseInput]) -> torch.Tensor:
+        """The LM head's raw output [B, C, V] (before the final softcap, the model's dtype) for canvases of one
+        length, each after its own cache (`batches`), in one pass. Each canvas's decoder input is made on its own
+        rows, eagerly (its SC input: probabilities, the seed or none, exact or not), as a lone canvas's is; the
+        layers and the LM head then run once over all of the rows, on CUDA replayed from the graph of this set of
+        caches and key buckets once the set has come twice. On a graph the output is the graph's own buffer,
+        overwritten by the next pass of as many rows (the sampler reads it before)."""
+        model, b = self.model, len(canvases)
+        c = canvases[0].ids.shape[-1]
+        kvs = [cv.kv for cv in canvases]
+        if any(cv.ids.shape[-1] != c for cv in canvases) or not all(self.batches(kv, c) for kv in kvs):
+            raise ValueError("denoise_many takes canvases of one length that fit their caches' canvas slots")
+        x = torch.cat(
+            [
+                model.decoder_input(model.check_ids(cv.ids, 1).reshape(-1), cv.probs, cv.seed, cv.exact)
+                for cv in canvases
+            ]
+        )
+        if not self.fast:
+            return model.logits(model.layers_forward(x, Pass.denoise(kvs, c)), raw=True).view(b, c, -1)
+        geometry = self._load_geometry(kvs, c)
+        keys = [full_keys(kv, c) for kv in kvs]
+        out = self.graphs.batch_out(b * c) if self.graphs_on else None
+
+        def forward(h: torch.Tensor, _) -> torch.Tensor:
+            p = Pass.denoise(kvs, c, geometry, keys)
+            return model.logits(model.layers_forward(h, p), out=out, raw=True)
+
+        step = self._graph(kvs, ("denoise", c), c, forward, x)
+        return (step(x, None) if step is not None else forward(x, None)).view(b, c, -1)
+
+    def _load_geometry(self, kvs: list[KVCache], c: int) -> torch.Tensor:
+        """Each cache's `denoise_geometry(c)` into the device buffer [B, 5] the fast denoise and commit passes of B
+        rows read (their graphs too)."""
+        b = len(kvs)
+        if b not in self._geometry or self._geometry[b].device != self.device:
+            self._geometry[b] = torch.zeros(b, 5, dtype=torch.int32, device=self.device)
+        geo = torch.tensor([kv.denoise_geometry(c) for kv in kvs], dtype=torch.int32)
+        return self._geometry[b].copy_(geo)
 
     # -- compile, graphs, warm-up ------------------------------------------------------------------------
 
