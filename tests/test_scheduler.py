@@ -129,3 +129,50 @@ def test_denoise_step_refuses_canvases_of_two_lengths(eng):
     b = Canvas(eng.config.vocab_size, eng.sampler, 1, 8, torch.device("cpu"))
     with pytest.raises(ValueError, match="one length"):
         denoise_step(eng.runner, [(a, kv), (b, kv)])
+
+
+def test_a_long_prompt_joining_running_requests_prefills_a_budget_a_step(eng, monkeypatch):
+    from diffgemma.engine import batch
+
+    monkeypatch.setattr(batch, "PREFILL_BUDGET", 20)
+    mix = _mix(eng)[:3]
+    sched = Scheduler(eng.runner, max_batch=8)
+    reqs = [
+        sched.submit(Request(eng.turn(ids, eng.runner.new_cache(512), cfg, seed, n)))
+        for ids, cfg, seed, n, _ in mix
+    ]
+    sched.step()
+    long_ids = eng.prompt_ids("Tell me about the sea and the sky " * 4)
+    assert len(long_ids) > 50
+    kv = eng.runner.new_cache(512)
+    late = sched.submit(Request(eng.turn(long_ids, kv, eng.sampler, 5, 40, prefill_now=False)))
+    assert kv.length == 0  # nothing prefilled until the scheduler steps
+    lengths = []
+    while late.turn.unprefilled:
+        sched.step()
+        lengths.append(kv.length)
+    assert lengths[:2] == [20, 40] and len(lengths) >= 3  # a budget a step while the others denoise
+    assert all(r.canvas is not None or r.done for r in reqs)
+    sched.run()
+    solo, fingerprint = _solo(eng, long_ids, eng.sampler, 5, 40, False)
+    assert kv.tokens[: len(long_ids)] == long_ids
+    if (
+        not eng.runner.fast
+    ):  # the reference prefills at fixed positions whatever the chunks: the same K/V bytes
+        assert late.turn.out.token_ids == solo.token_ids and kv.fingerprint() == fingerprint
+    # (the fast kernels' routes for a chunk, padded, commit-shaped or plain, sum in other orders than one whole
+    # prefill's: a prompt within the budget goes whole, as a lone turn's)
+    for (ids, cfg, seed, n, _), r in zip(mix, reqs, strict=True):
+        assert r.turn.out.token_ids == _solo(eng, ids, cfg, seed, n, False)[0].token_ids
+
+
+def test_a_prompt_alone_in_the_scheduler_prefills_whole(eng, monkeypatch):
+    from diffgemma.engine import batch
+
+    monkeypatch.setattr(batch, "PREFILL_BUDGET", 8)
+    ids = eng.prompt_ids("Tell me about the sea " * 3)
+    kv = eng.runner.new_cache(512)
+    sched = Scheduler(eng.runner)
+    sched.submit(Request(eng.turn(ids, kv, eng.sampler, 1, 20, prefill_now=False)))
+    sched.step()
+    assert kv.length == len(ids)  # nothing else running: no budget

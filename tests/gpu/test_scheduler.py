@@ -59,4 +59,6 @@ def test_batched_turns_replayed_from_graphs_give_the_tokens_of_the_batch_run_eag
     assert any(step is not None for _, step in eng.runner.graphs._batch.values())
     assert graphed == eager
     solo = [eng.generate(p, seed=i, kv=eng.runner.new_cache(2048)).token_ids for i, p in enumerate(prompts)]
-    print(f"batched = solo for {sum(a == b for a, b in zip(graphed, solo, strict=True))} of {len(solo)} requests")
+    print(
+        f"batched = solo for {sum(a == b for a, b in zip(graphed, solo, strict=True))} of {len(solo)} requests"
+    )

@@ -100,9 +100,9 @@ def test_validate_retries_with_the_next_seed_from_the_prompts_end(eng, monkeypat
     script = Script(tok, (BAD, opener), (BAD, opener), (GOOD, opener))
     real = type(eng).turn
 
-    def spy(self, ids, kv, cfg=None, seed=42, *args):
+    def spy(self, ids, kv, cfg=None, seed=42, *args, **kwargs):
         seeds.append(seed)
-        return real(self, ids, kv, cfg, seed, *args)
+        return real(self, ids, kv, cfg, seed, *args, **kwargs)
 
     monkeypatch.setattr(pipeline_module, "drive", script)
     monkeypatch.setattr(type(eng), "turn", spy)

@@ -29,6 +29,10 @@ from diffgemma.engine.generate import (
 from diffgemma.model.kv_cache import KVCache
 from diffgemma.runner.runner import DenoiseInput, ModelRunner
 
+# Prompt tokens a scheduler step prefills while other requests denoise (`Scheduler._prefill_prompts`): ~25 ms on the
+# H200 at 1k context, about one batched step of 4 canvases (docs/performance.md, "Many canvases per forward").
+PREFILL_BUDGET = 1024
+
 
 @torch.no_grad()
 def denoise_step(runner: ModelRunner, items: list[tuple[Canvas, KVCache]]) -> list[StepInfo]:
@@ -115,7 +119,12 @@ class Scheduler:
         return [r for r in self.requests if not r.done]
 
     def step(self) -> None:
-        opening = [r for r in self.active if r.canvas is None]
+        self._prefill_prompts()
+        opening = [r for r in self.active if r.canvas is None and not r.turn.unprefilled]
+        for r in self.active:  # a cancelled turn's prompt is in its cache, as a lone turn's would be
+            if r.turn.unprefilled and r.cancel is not None and r.cancel.cancelled:
+                r.turn.prefill_prompt()
+                opening.append(r)
         # a commit is prefilled before its turn goes on or ends (cancelled), as a lone turn's is
         prefill_pending(self.runner, [r.turn for r in opening])
         live = []
@@ -123,6 +132,8 @@ class Scheduler:
             if r.cancel is not None and r.cancel.cancelled:
                 r.turn.propose_from(None)
                 r.canvas = None
+                continue
+            if r.turn.unprefilled:  # its prompt goes on in the next step's budget
                 continue
             if r.canvas is None:
                 r.canvas = r.turn.canvas()
@@ -144,6 +155,20 @@ class Scheduler:
                 if r.canvas.done:
                     self._finish_block(r)
         self.requests = self.active  # the finished leave
+
+    def _prefill_prompts(self) -> None:
+        """Prefill the prompts of turns that have not started, first come first: all of them while no canvas is
+        denoising, else at most PREFILL_BUDGET tokens this step, so that a long prompt does not stall the running
+        requests (chunked prefill)."""
+        waiting = [r for r in self.active if r.turn.unprefilled]
+        denoising = len(waiting) < len(self.active)
+        budget = PREFILL_BUDGET if denoising else None
+        for r in waiting:
+            if budget is not None and budget <= 0:
+                break
+            n = r.turn.prefill_prompt(budget)
+            if budget is not None:
+                budget -= n
 
     def _finish_block(self, r: Request) -> None:
         turn, canvas = r.turn, r.canvas

@@ -156,8 +156,10 @@ class Engine:
         seed: int = 42,
         max_new_tokens: int | None = None,
         logprobs: int | None = None,
+        prefill_now: bool = True,
     ) -> Turn:
-        """A reply to open after `kv` (`Turn`), prompt_ids prefilled first; refuses a prompt that does not fit."""
+        """A reply to open after `kv` (`Turn`), prompt_ids prefilled first (now, or with `prefill_now=False` by the
+        scheduler, a budget of tokens a step); refuses a prompt that does not fit."""
         cfg = cfg or self.sampler
         if kv.length + len(prompt_ids) >= kv.max_tokens:
             raise ValueError(
@@ -168,7 +170,7 @@ class Engine:
         max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
         # Like any engine with a fixed context: the reply stops at the context's end ("length").
         max_new = min(max_new, kv.max_tokens - kv.length - len(prompt_ids))
-        return Turn(self.runner, list(prompt_ids), kv, cfg, seed, max_new, logprobs)
+        return Turn(self.runner, list(prompt_ids), kv, cfg, seed, max_new, logprobs, prefill_now)
 
 
 def load(

@@ -300,6 +300,7 @@ class Turn:
         seed: int = 42,
         max_new_tokens: int | None = None,
         logprobs: int | None = None,
+        prefill_now: bool = True,
     ):
         max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
         if max_new <= 0:
@@ -318,10 +319,22 @@ class Turn:
         self.pending: list[int] = []  # committed, not yet prefilled
         self.done = False
         self.proposal: Proposal | None = None
+        self.unprefilled = list(prompt_ids)  # the prompt's tokens not yet in the cache (`prefill_prompt`)
+        if prefill_now:
+            self.prefill_prompt()
+
+    def prefill_prompt(self, budget: int | None = None) -> int:
+        """Prefill the prompt's next `budget` tokens (all of them by default); returns how many. A prompt that fits
+        the budget goes in whole, so seed rule 7 (a whole short prompt in fp32) sees it as a lone turn would."""
+        ids = self.unprefilled if budget is None else self.unprefilled[:budget]
+        if not ids:
+            return 0
         t0 = time.perf_counter()
-        prefill(model, list(prompt_ids), kv, cfg)
-        sync(model)
+        prefill(self.model, ids, self.kv, self.cfg)
+        sync(self.model)
         self.out.prefill_seconds += time.perf_counter() - t0
+        self.unprefilled = self.unprefilled[len(ids) :]
+        return len(ids)
 
     @property
     def remaining(self) -> int:
@@ -342,9 +355,10 @@ class Turn:
         return self.propose_from(res)
 
     def prefill_pending(self) -> None:
-        """Open the next proposal: prefill what the last commit left pending."""
+        """Open the next proposal: prefill what is left of the prompt, and what the last commit left pending."""
         if self.done or self.proposal is not None:
             raise RuntimeError("propose needs an open turn without a proposal pending")
+        self.prefill_prompt()
         if self.pending:
             t0 = time.perf_counter()
             prefill(self.model, self.pending, self.kv, self.cfg)

@@ -362,7 +362,13 @@ class Pipeline:
         step = token.counting(on_step)
         try:
             turn = self.engine.turn(
-                list(op.ids), conv.kv, self.sampler(op.sampler), op.seed, op.max_new_tokens, op.logprobs
+                list(op.ids),
+                conv.kv,
+                self.sampler(op.sampler),
+                op.seed,
+                op.max_new_tokens,
+                op.logprobs,
+                prefill_now=False,  # the scheduler prefills it, a budget a step beside the running canvases
             )
         except ValueError as e:  # refused before the cache was written
             emit(O.Failed(str(e)))
