@@ -1,6 +1,6 @@
 """A synthetic instruction corpus in the Gemma 4 chat format, for the bundled demo model.
 
-Seven tasks, each rendered with `render_gemma4` (prompt) plus the exact reply text the model must write:
+Nine tasks, each rendered with `render_gemma4` (prompt) plus the exact reply text the model must write:
 
     arith        "What is 17 + 25?"                      -> "17 + 25 = 42<turn|>"
     retrieval    30-48 "- KEY: WORD" lines (longer than the sliding window), "What is the code word for KEY?"
@@ -11,6 +11,7 @@ Seven tasks, each rendered with `render_gemma4` (prompt) plus the exact reply te
     tool_answer_json  the same, the result sent as OpenAI clients send it: a JSON string answering a call id
     think        thinking on: "Which number is larger, 37 or 52?" -> "<|channel>thought\\n...\\n<channel|>52 is larger.<turn|>"
     yesno        parity / comparison / category questions -> "Yes<turn|>" or "No<turn|>"
+    schema       a question schema (`chat.questions`) about an order's state -> "kind:\nB\nlate:\nno\n<turn|>"
 
 Everything is deterministic for a seed. The held-out split is decided by a hash of each example's identity
 (the operands for arithmetic, the rendered prompt otherwise): an example whose hash falls in the held-out
@@ -29,7 +30,17 @@ from typing import Any
 from diffgemma.chat.template import render_gemma4
 from diffgemma.chat.toolcall import format_call
 
-TASKS = ("arith", "retrieval", "long", "tool_call", "tool_answer", "tool_answer_json", "think", "yesno")
+TASKS = (
+    "arith",
+    "retrieval",
+    "long",
+    "tool_call",
+    "tool_answer",
+    "tool_answer_json",
+    "think",
+    "yesno",
+    "schema",
+)
 # Share of each task in a training batch. The two hard targets (arithmetic, retrieval) get most of it: runs
 # with arith 0.28 / tool_call 0.16 reached 100% on tool calls and answers but 50% on arithmetic. Arithmetic
 # prompts are also the cheapest (~26 tokens against ~250 for retrieval and tool prompts).
@@ -45,6 +56,7 @@ TASK_WEIGHTS = {
     "tool_answer_json": 0.03,
     "think": 0.05,
     "yesno": 0.07,
+    "schema": 0.12,
 }
 HELDOUT_BUCKETS = 10  # 1 in 10 identities is held out
 TURN_END = "<turn|>"
@@ -450,6 +462,55 @@ def _yesno(rng: random.Random) -> Example:
     return Example("yesno", prompt, ("Yes" if yes else "No") + TURN_END, f"yesno:{q}", {"yes": yes})
 
 
+KINDS = {"animal": ANIMALS, "fruit": FRUITS, "object": OBJECTS}
+WAIT_LEVELS = ("1 to 3 days", "4 to 6 days", "7 days or more")
+
+
+def _schema_questions(rng: random.Random, state: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
+    """Every question the schema task can ask about `state`, each with its answer's label."""
+    kinds = list(KINDS)
+    rng.shuffle(kinds)
+    cities = rng.sample([c for c in CITIES if c != state["city"]], rng.randint(1, 3)) + [state["city"]]
+    rng.shuffle(cities)
+    limit = rng.randint(2, 8)
+    kind = next(k for k, pool in KINDS.items() if state["item"] in pool)
+    wait = 0 if state["days"] <= 3 else 1 if state["days"] <= 6 else 2
+    letter = "ABCD"
+    return [
+        ({"id": "kind", "type": "choice", "instructions": "What kind of thing is the item?",
+          "options": [{"name": k} for k in kinds]}, letter[kinds.index(kind)]),
+        ({"id": "city", "type": "choice", "instructions": "Which city is the order from?",
+          "options": [{"name": c} for c in cities]}, letter[cities.index(state["city"])]),
+        ({"id": "late", "type": "noul", "instructions": f"Has the order waited more than {limit} days?"},
+         "yes" if state["days"] > limit else "no"),
+        ({"id": "even", "type": "noul", "instructions": "Is the count an even number?"},
+         "yes" if state["count"] % 2 == 0 else "no"),
+        ({"id": "fruit", "type": "noul", "instructions": "Is the item a fruit?"},
+         "yes" if kind == "fruit" else "no"),
+        ({"id": "wait", "type": "score", "instructions": "How long has the order waited?",
+          "levels": list(WAIT_LEVELS)}, str(wait + 1)),
+    ]  # fmt: skip
+
+
+def _schema(rng: random.Random) -> Example:
+    """A question schema (one to three questions) about an order: the system message `chat.questions` builds from
+    it, the state as JSON, and the answer template with each label filled in."""
+    from diffgemma.chat import questions
+
+    pool = KINDS[rng.choice(list(KINDS))]
+    state = {"item": rng.choice(pool), "city": rng.choice(CITIES), "days": rng.randint(1, 12)}
+    state["count"] = rng.randint(0, 99)
+    asked = rng.sample(_schema_questions(rng, state), rng.randint(1, 3))
+    obj = {"questions": [q for q, _ in asked]}
+    schema = questions.parse(obj)
+    prompt = render_gemma4(questions.messages(schema, state))
+    target = "".join(f"{q['id']}:\n{label}\n" for q, label in asked) + TURN_END
+    answers = {q["id"]: label for q, label in asked}
+    return Example(
+        "schema", prompt, target, f"schema:{prompt}", {"schema": obj, "state": state, "labels": answers}
+    )
+
+
 # List lengths of the two retrieval tasks; a training curriculum may cap them (`make_example(max_lines=...)`).
 RETRIEVAL_LINES = {"retrieval": (30, 48), "retrieval_short": (2, 16)}
 MAKERS = {
@@ -462,6 +523,7 @@ MAKERS = {
     "tool_answer_json": partial(_tool_answer, as_json=True),
     "think": _think,
     "yesno": _yesno,
+    "schema": _schema,
 }
 
 

@@ -28,10 +28,37 @@ def _strip_digit_merges(tok: Tokenizer) -> Tokenizer:
     return Tokenizer.from_str(json.dumps(data))
 
 
+# Words the question-schema API needs as one token each after a newline (`chat.questions.template`: a yes/no
+# question's labels); the corpus's BPE may merge them only after a space.
+LABEL_WORDS = ("yes", "no")
+
+
 def demo_tokenizer(corpus: list[str], vocab_size: int = 4096) -> Tokenizer:
-    tok = _strip_digit_merges(build_tokenizer(vocab_size=vocab_size, corpus=corpus))
+    tok = with_words(_strip_digit_merges(build_tokenizer(vocab_size=vocab_size, corpus=corpus)), LABEL_WORDS)
     check_special_ids(tok)
     return tok
+
+
+def with_words(tok: Tokenizer, words: tuple[str, ...]) -> Tokenizer:
+    """`tok` with each word one token after a newline: the merges that join its current pieces, left to right, and
+    their tokens at the next free ids (an existing tokenizer keeps every id it had)."""
+    data = json.loads(tok.to_str())
+    vocab, merges = data["model"]["vocab"], data["model"]["merges"]
+    taken = set(vocab.values()) | {t["id"] for t in data.get("added_tokens", [])}
+    for word in words:
+        pieces = tok.encode("\n" + word, add_special_tokens=False).tokens[1:]
+        while len(pieces) > 1:
+            joined = pieces[0] + pieces[1]
+            if joined not in vocab:
+                vocab[joined] = next(i for i in range(len(taken) + 1) if i not in taken)
+                taken.add(vocab[joined])
+            merges.append(
+                [pieces[0], pieces[1]]
+                if merges and isinstance(merges[0], list)
+                else f"{pieces[0]} {pieces[1]}"
+            )
+            pieces = [joined, *pieces[2:]]
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def check_special_ids(tok: Tokenizer) -> None:

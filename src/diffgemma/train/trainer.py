@@ -49,7 +49,7 @@ from diffgemma.train import checkpoint as ckpt
 from diffgemma.train import data
 from diffgemma.train.batches import Batch, Prefetcher, task_weights
 from diffgemma.train.forward import train_forward
-from diffgemma.train.tokenizer import check_special_ids, demo_tokenizer
+from diffgemma.train.tokenizer import LABEL_WORDS, check_special_ids, demo_tokenizer, with_words
 from diffgemma.weights.loader import load_model
 
 # The layers through torch.compile on CUDA (fused elementwise work); eager on CPU, where the tests run.
@@ -328,9 +328,16 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     tok_path = out / "tokenizer.json"
     if cfg.init:  # fine-tune: the init checkpoint's tokenizer, config and weights
         init = Path(cfg.init)
-        tok = Tokenizer.from_file(str(init / "tokenizer.json"))
+        # the label words added if the init's tokenizer lacks them, at free ids inside the model's vocabulary
+        tok = with_words(Tokenizer.from_file(str(init / "tokenizer.json")), LABEL_WORDS)
         check_special_ids(tok)
         model_cfg = json.loads((init / "config.json").read_text())
+        vocab = model_cfg.get("text_config", model_cfg)["vocab_size"]
+        if tok.get_vocab_size() > vocab:
+            raise ValueError(
+                f"--init {init}: its tokenizer with the label words has {tok.get_vocab_size()} tokens, more than "
+                f"the model's vocabulary of {vocab}"
+            )
         if "quantization_config" in model_cfg:  # a pack's weights are not trainable parameters
             raise ValueError(f"--init {init} is a quantized pack: fine-tune from a bf16 checkpoint")
         if model_cfg.get("canvas_length") != cfg.canvas_length:
