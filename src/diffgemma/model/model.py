@@ -38,6 +38,7 @@ class Layer(nn.Module):
         super().__init__()
         h, hd, nh, nkv = cfg.hidden_size, cfg.head_dims[idx], cfg.num_heads, cfg.num_kv_heads[idx]
         self.idx = idx
+        self.layer_type = cfg.layer_types[idx]
         self.sliding = cfg.is_sliding(idx)
         self.head_dim, self.n_heads, self.n_kv = hd, nh, nkv
         self.q_proj = _param(nh * hd, h)
@@ -309,7 +310,9 @@ class DiffusionGemma(nn.Module):
         return logits if raw else self.kernels.softcap(logits, self.cfg.final_logit_softcapping)
 
     def inv_freq_for(self, layer: Layer, device: torch.device) -> torch.Tensor:
-        lt = self.cfg.layer_types[layer.idx]
+        lt = (
+            layer.layer_type
+        )  # not cfg.layer_types[layer.idx]: a compiled layer would specialize on each index
         if self.inv_freq[lt].device != device:  # move once: a host copy cannot sit inside a CUDA graph
             self.inv_freq[lt] = self.inv_freq[lt].to(device)
         return self.inv_freq[lt]

@@ -28,7 +28,7 @@ PAD = 0
 # (`graphed.py`). Eager steps, bound by kernel launches, ran at 0.65 s a step at batch 1024 on an H200.
 BUCKETS: tuple[tuple[tuple[str, ...], int], ...] = (
     (("arith", "think", "yesno", "long"), 160),
-    (("retrieval", "retrieval_short"), 320),
+    (("retrieval", "retrieval_short", "schema"), 320),
     (("tool_call", "tool_answer", "tool_answer_json"), 416),
 )
 
