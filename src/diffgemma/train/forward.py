@@ -121,6 +121,11 @@ def train_forward(
     is_prompt = (torch.arange(t, device=h.device) < p).repeat(b)[:, None]
     pas = Pass.train(pos, t, masks, is_prompt)
     step = compiled_layer() if compiled else DiffusionGemma.layer_forward
+    # Every RoPE table before the layers run: a table cache that grew between the compiled layer's calls would be a
+    # guard of each call, a recompile a layer, until dynamo's limit left the rest eager.
+    for layer in model.layers:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            pas.cos_sin("sliding" if layer.sliding else "full", model.inv_freq_for(layer, h.device), dtype)
     nll = torch.zeros((), device=h.device)
     eps = model.cfg.rms_norm_eps
     with training_kernels(model, moe):
@@ -212,5 +217,8 @@ def compiled_layer():
     (batch 256)."""
     global _COMPILED
     if _COMPILED is None:
+        # Variants by layer type and input (5 on the demo model after the first shapes); past dynamo's limit of 8
+        # a call runs eagerly, and the demo trainer's step took 7x as long on the H200.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
         _COMPILED = torch.compile(DiffusionGemma.layer_forward, dynamic=True)
     return _COMPILED
