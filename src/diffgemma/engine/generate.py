@@ -44,6 +44,7 @@ class StepInfo:
     argmax: torch.Tensor  # [C] on device
     accepted: torch.Tensor  # [C] bool on device
     mean_entropy: torch.Tensor  # 0-d on device
+    entropy: torch.Tensor | None = None  # [C] on device: each row's, at the step's temperature
 
 
 @dataclass
@@ -157,7 +158,8 @@ class Canvas:
         self.ids = torch.where(mask, denoised, self.noise[i + 1])  # renoise every non-accepted row
         stop = self.stops.update(i + 1, stats.argmax, stats.entropy, mask)
         self.i = i + 1
-        return StepInfo(self.block, i + 1, temp, stats.argmax, mask, stats.entropy.mean()), stop
+        info = StepInfo(self.block, i + 1, temp, stats.argmax, mask, stats.entropy.mean(), stats.entropy)
+        return info, stop
 
     def settle(self, stop: bool, logits: torch.Tensor) -> None:
         """End the block if the stop rules said so or its steps are used up: its result from the last step (and

@@ -13,7 +13,7 @@ from typing import Any
 import jinja2.exceptions
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from diffgemma.chat import questions as Q
@@ -21,7 +21,7 @@ from diffgemma.engine.engine import Engine
 from diffgemma.engine.generate import CancelToken
 from diffgemma.server import responses as R
 from diffgemma.server.errors import APIError, invalid
-from diffgemma.server.jobs import ChatJob, CompletionJob, Delta, Done, Failed, QuestionJob
+from diffgemma.server.jobs import Canvas, ChatJob, CompletionJob, Delta, Done, Failed, QuestionJob
 from diffgemma.server.metrics import Metrics
 from diffgemma.server.reqlog import RequestLog
 from diffgemma.server.schema import (
@@ -87,6 +87,22 @@ class _MetricsMiddleware:
         finally:
             self.metrics.requests.inc(route=route, status=str(status["code"]))
             self.metrics.latency.observe(time.perf_counter() - started, route=route)
+
+
+PAGE_DIR = Path(__file__).resolve().parents[1] / "assets" / "page"
+PAGE_TYPES = {
+    "index.html": "text/html; charset=utf-8",
+    "page.js": "text/javascript; charset=utf-8",
+    "page.css": "text/css; charset=utf-8",
+}
+# The page loads nothing but itself (the server runs offline) and talks to this server only.
+PAGE_POLICY = "default-src 'self'; style-src 'self'; script-src 'self'; img-src 'self' data:"
+
+
+def _page_file(name: str) -> Response:
+    body = (PAGE_DIR / name).read_bytes()
+    headers = {"Content-Security-Policy": PAGE_POLICY, "Cache-Control": "no-cache"}
+    return Response(body, media_type=PAGE_TYPES[name], headers=headers)
 
 
 def create_app(
@@ -331,6 +347,8 @@ def create_app(
                 event = await channel.get()
                 if isinstance(event, Delta):
                     yield chunk.delta(event)
+                elif isinstance(event, Canvas):  # asked for (`stream_options.canvas`): a named event
+                    yield R.sse(event.body(), event="canvas")
                 elif isinstance(event, Done):
                     done = event
                     yield chunk.finish(event)
@@ -408,6 +426,17 @@ def create_app(
         check_auth(request)
         resolve_model(name, model_id)
         return {**model_card(), "id": name}
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> Any:
+        """The chat page: static, so it discloses nothing; its requests carry the key it asks for."""
+        return _page_file("index.html")
+
+    @app.get("/page/{name}", include_in_schema=False)
+    async def page_asset(name: str) -> Any:
+        if name not in PAGE_TYPES or name == "index.html":
+            raise StarletteHTTPException(404)
+        return _page_file(name)
 
     @app.get("/health")
     async def health() -> Any:

@@ -19,7 +19,7 @@ from diffgemma.chat import questions as Q
 from diffgemma.chat.parser import BadCall, Content, Event, Reasoning, StreamParser, ToolCall, coalesce
 from diffgemma.chat.tokenizer import ChatTokenizer
 from diffgemma.config import SamplerConfig
-from diffgemma.engine.generate import CancelToken, GenerateOutput, TokenLogprob
+from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo, TokenLogprob
 from diffgemma.server.errors import APIError
 from diffgemma.server.metrics import Metrics
 from diffgemma.server.schema import ChatRequest, CompletionRequest
@@ -39,6 +39,49 @@ class Delta:
     kind: str  # "reasoning", "content" or "tool_call"
     text: str = ""
     call: dict[str, Any] | None = None
+
+
+@dataclass
+class Canvas:
+    """One denoise step's canvas, streamed as a `canvas` event (`stream_options.canvas`): each row's most likely
+    token's text, whether the step accepted it (else it was renoised), and its entropy in nats."""
+
+    block: int
+    step: int
+    temperature: float
+    tokens: list[str]
+    accepted: list[bool]
+    entropy: list[float]
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "object": "diffgemma.canvas",
+            "block": self.block,
+            "step": self.step,
+            "temperature": round(self.temperature, 4),
+            "tokens": self.tokens,
+            "accepted": self.accepted,
+            "entropy": [round(h, 3) for h in self.entropy],
+        }
+
+
+class CanvasFrames:
+    """A Generate's `on_step`: each step's `Canvas` to `emit`, at most one every `interval_ms` (the step's tensors
+    are read to the host only for the steps sent)."""
+
+    def __init__(self, tok: ChatTokenizer, interval_ms: int, emit: Callable[[Any], None]) -> None:
+        self.tok, self.interval, self.emit = tok, interval_ms / 1000, emit
+        self.last = -float("inf")
+
+    def __call__(self, info: StepInfo) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.interval:
+            return
+        self.last = now
+        ids = info.argmax.tolist()
+        pieces = [self.tok.token_bytes(i).decode("utf-8", "replace") for i in ids]
+        entropy = info.entropy.tolist() if info.entropy is not None else [float(info.mean_entropy)] * len(ids)
+        self.emit(Canvas(info.block, info.step, info.temperature, pieces, info.accepted.tolist(), entropy))
 
 
 @dataclass
@@ -157,6 +200,7 @@ class _Base:
         cancel: CancelToken,
         logprobs: int | None = None,
         sampler: SamplerConfig | None = None,
+        on_step: Callable[[StepInfo], None] | None = None,
     ) -> Generator[Run, list[O.Event], GenerateOutput]:
         """Route the prompt to its conversation, cut that to the common prefix, and generate: ops for the worker."""
         # Without sampler fields in the request, the op is exactly the engine's default one.
@@ -165,7 +209,8 @@ class _Base:
         try:
             yield Run(O.Route(ids))
             (aligned,) = yield Run(O.AlignTo(ids))
-            gen = Run(O.Generate(ids[aligned.reused :], seed, max_tokens, fields, logprobs), on_event, cancel)
+            op = O.Generate(ids[aligned.reused :], seed, max_tokens, fields, logprobs)
+            gen = Run(op, on_event, cancel, on_step=on_step)
             yield gen
         except ValueError as exc:  # the engine's own checks (context) after the server's
             raise APIError(400, str(exc), code="context_length_exceeded") from None
@@ -273,6 +318,9 @@ class ChatJob(_Base):
         self._first_block()
         self.channel.put(delta)
 
+    def _canvas_frames(self) -> CanvasFrames:
+        return CanvasFrames(self.tok, self.req.canvas_ms, self.channel.put)
+
     def _attempt(
         self, seed: int, emit: Callable[[Delta], None] | None, hold_bad: bool
     ) -> Generator[Run, list[O.Event], _Attempt]:
@@ -330,6 +378,7 @@ class ChatJob(_Base):
             cancel,
             self.req.logprobs,
             self.req.sampler,
+            None if self.req.canvas_ms is None or emit is None else self._canvas_frames(),
         )
         handle(parser.finish(out.finish_reason))
         tail = stops.flush()

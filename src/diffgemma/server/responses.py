@@ -21,8 +21,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
-def sse(obj: dict[str, Any]) -> str:
-    return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
+def sse(obj: dict[str, Any], event: str | None = None) -> str:
+    """One server-sent event: the standard chunks are unnamed; diffgemma's extensions name theirs."""
+    head = f"event: {event}\n" if event else ""
+    return head + "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
 
 
 def sse_done() -> str:

@@ -88,6 +88,7 @@ class GenParams:
     include_usage: bool
     logprobs: int | None = None  # None: not asked; k: each token's log probability and its top k alternatives
     sampler: SamplerConfig | None = None  # None: the engine's own (the request set no sampler field)
+    canvas_ms: int | None = None  # streamed canvas events at most this often (ms); None: not asked
 
 
 @dataclass
@@ -433,6 +434,10 @@ class NamedToolChoice(_Shape):
 
 class StreamOptions(_Shape):
     include_usage: bool | None = None
+    # diffgemma's extension (chat only): `canvas` events with each denoise step's canvas, at most one every
+    # canvas_interval_ms (default CANVAS_INTERVAL_MS)
+    canvas: bool | None = None
+    canvas_interval_ms: Annotated[int, Field(ge=0, le=60_000)] | None = None
 
 
 class ResponseFormat(_Shape):
@@ -659,8 +664,28 @@ def _common(
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         sampler=request_sampler(body, sampler),
+        canvas_ms=_canvas_ms(body),
     )
     return params, think
+
+
+CANVAS_INTERVAL_MS = 100  # canvas events at most ten a second unless the client asks otherwise
+
+
+def _canvas_ms(body: ChatCompletionBody | CompletionBody) -> int | None:
+    opts = body.stream_options
+    if opts is None or not opts.canvas:
+        if opts is not None and opts.canvas_interval_ms is not None:
+            raise invalid(
+                "'stream_options.canvas_interval_ms' needs 'stream_options.canvas': true",
+                param="stream_options.canvas_interval_ms",
+            )
+        return None
+    if not body.stream:
+        raise invalid("'stream_options.canvas' needs 'stream': true", param="stream_options.canvas")
+    if not isinstance(body, ChatCompletionBody):
+        raise invalid("'stream_options.canvas' is for chat completions", param="stream_options.canvas")
+    return CANVAS_INTERVAL_MS if opts.canvas_interval_ms is None else opts.canvas_interval_ms
 
 
 def _thinking(body: ChatCompletionBody, forced: bool | None) -> bool:

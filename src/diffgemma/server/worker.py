@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from diffgemma.engine.batch import Request, Scheduler
-from diffgemma.engine.generate import CancelToken, GenerateOutput
+from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo
 from diffgemma.server.errors import APIError
 from diffgemma.session import ops as O
 from diffgemma.session.pipeline import call, collector
@@ -35,6 +35,7 @@ class Run:
     on_event: Callable[[O.Event], None] | None = None
     cancel: CancelToken | None = None
     output: GenerateOutput | None = None  # a Generate's, with its timings (the events leave them out)
+    on_step: Callable[[StepInfo], None] | None = None  # a Generate's denoise steps (the streamed canvas)
 
 
 Steps = Generator[Run, list[O.Event], None]
@@ -200,7 +201,7 @@ class Worker:
                 ):
                     a.events = []
                     request = self.pipeline.begin_generate(
-                        item.op, collector(a.events, item.on_event), cancel=item.cancel
+                        item.op, collector(a.events, item.on_event), on_step=item.on_step, cancel=item.cancel
                     )
                     if request is None:
                         exc = ValueError(a.events[-1].message)
@@ -208,7 +209,8 @@ class Worker:
                     a.request, a.run = request, item
                     self.scheduler.submit(request)
                     return
-                value = call(self.pipeline, item.op, item.on_event, cancel=item.cancel)
+                kw = {} if item.on_step is None else {"on_step": item.on_step}
+                value = call(self.pipeline, item.op, item.on_event, cancel=item.cancel, **kw)
                 if isinstance(item.op, O.Generate):
                     item.output = self.pipeline.last_output
                 if isinstance(item.op, O.Route):

@@ -328,18 +328,19 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     tok_path = out / "tokenizer.json"
     if cfg.init:  # fine-tune: the init checkpoint's tokenizer, config and weights
         init = Path(cfg.init)
-        # the label words added if the init's tokenizer lacks them, at free ids inside the model's vocabulary
-        tok = with_words(Tokenizer.from_file(str(init / "tokenizer.json")), LABEL_WORDS)
+        tok = Tokenizer.from_file(str(init / "tokenizer.json"))
         check_special_ids(tok)
         model_cfg = json.loads((init / "config.json").read_text())
-        vocab = model_cfg.get("text_config", model_cfg)["vocab_size"]
-        if tok.get_vocab_size() > vocab:
-            raise ValueError(
-                f"--init {init}: its tokenizer with the label words has {tok.get_vocab_size()} tokens, more than "
-                f"the model's vocabulary of {vocab}"
-            )
         if "quantization_config" in model_cfg:  # a pack's weights are not trainable parameters
             raise ValueError(f"--init {init} is a quantized pack: fine-tune from a bf16 checkpoint")
+        # the label words added if the init's tokenizer lacks them and the model's vocabulary has room for them
+        with_labels = with_words(tok, LABEL_WORDS)
+        if with_labels.get_vocab_size() <= model_cfg.get("text_config", model_cfg)["vocab_size"]:
+            tok = with_labels
+        else:
+            print(
+                f"no room in the vocabulary for the label words {LABEL_WORDS}: the tokenizer stays as it was"
+            )
         if model_cfg.get("canvas_length") != cfg.canvas_length:
             raise ValueError(
                 f"--init checkpoint has canvas_length {model_cfg.get('canvas_length')}, "
