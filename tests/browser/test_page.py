@@ -1,6 +1,6 @@
 """The chat page in a real browser: Debian's Chromium, headless, driven by Selenium, against `diffgemma serve` on
 127.0.0.1 with the bundled demo model. Skipped where Chromium or its driver is missing, unless
-DIFFGEMMA_BROWSER_TESTS=required (CI sets it: there a missing browser fails)."""
+REQUIRE_BROWSER_TESTS=1 (CI sets it: there a missing browser fails)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ try:
     from selenium.webdriver.support.ui import WebDriverWait
 except ImportError:
     _missing = True
-if _missing and os.environ.get("DIFFGEMMA_BROWSER_TESTS") == "required":
+if _missing and os.environ.get("REQUIRE_BROWSER_TESTS") == "1":
     raise RuntimeError("browser tests required: install chromium, chromium-driver (apt) and selenium (pip)")
 pytestmark = pytest.mark.skipif(_missing, reason="needs chromium, chromedriver and selenium")
 
