@@ -76,7 +76,7 @@ class DenoiseGraphs:
         self._io: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # a set of caches' graphs by (mode, each cache's key); None: the set was seen once, not yet captured
         self._batch: dict[tuple, tuple[tuple[weakref.ref, ...], GraphStep | None]] = {}
-        self._batch_out: dict[int, torch.Tensor] = {}
+        self._batch_out: torch.Tensor | None = None
 
     def io(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits every denoise graph of canvas length c writes (before the softcap, the model's dtype,
@@ -118,10 +118,12 @@ class DenoiseGraphs:
         return any(g for _, g in self._graphs.values()) or any(s for _, s in self._batch.values())
 
     def batch_out(self, rows: int) -> torch.Tensor:
-        """The logits every batched denoise graph of `rows` canvas rows writes ([rows, V], the model's dtype)."""
-        if rows not in self._batch_out:
-            self._batch_out[rows] = torch.empty(rows, self.vocab, device=self.device, dtype=self.dtype)
-        return self._batch_out[rows]
+        """Where a batched denoise pass of `rows` canvas rows writes its logits ([rows, V], the model's dtype): the
+        first rows of one buffer as large as the largest batch yet (one buffer a batch size would hold 18 GB at the
+        real shape once every size from 2 to 16 canvases had run)."""
+        if self._batch_out is None or self._batch_out.shape[0] < rows:
+            self._batch_out = torch.empty(rows, self.vocab, device=self.device, dtype=self.dtype)
+        return self._batch_out[:rows]
 
     def get_batch(
         self, kvs: list[KVCache], mode: tuple, c: int, fn: Callable, x: torch.Tensor
@@ -157,7 +159,7 @@ class DenoiseGraphs:
         self._batch.clear()
         self._pool = None
         self._io.clear()
-        self._batch_out.clear()
+        self._batch_out = None
 
     def __len__(self) -> int:
         solo = sum(len(graphs) for _, graphs in self._graphs.values())
