@@ -56,12 +56,19 @@ class Kernels:
 
     fast = False
 
-    def __init__(self, experts: str = "sorted") -> None:
+    def __init__(self, experts: str = "sorted", topk: bool = False) -> None:
         # "sorted": each expert over its own pairs (a host read of the bounds); "dense": every expert on every row,
         # zero-weighted where unrouted, without a host read (the trainer's, under CUDA graphs)
         if experts not in ("sorted", "dense"):
             raise ValueError(f"experts must be 'sorted' or 'dense', not {experts!r}")
         self.experts_mode = experts
+        self.topk = topk  # the full layers' top-k sparse attention (`torch_ref.attention_topk`)
+
+    def _attend(self, q, keys, vals, mask, layer) -> torch.Tensor:
+        """A row's attention over its keys: top-k sparse on a full layer when `topk`, else dense."""
+        if self.topk and not layer.sliding:
+            return ref.attention_topk(q, keys, vals, mask, ref.topk_keys(keys.shape[2]))
+        return ref.attention(q, keys, vals, mask)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor | QuantWeight) -> torch.Tensor:
         """x @ w.T in x's dtype; a quantized w dequantized first (the reference for every format)."""
@@ -95,7 +102,7 @@ class Kernels:
             qb, k, v = q[b : b + 1], kv[0, b : b + 1], kv[1, b : b + 1]
             if p.phase == DENOISE:  # the canvas goes to the slots after the cached span, read with it
                 keys, vals = cache.read_with(layer.idx, k, v)
-                rows.append(ref.rows(ref.attention(qb, keys, vals, None)))
+                rows.append(ref.rows(self._attend(qb, keys, vals, None, layer)))
                 continue
             if p.phase != PREFILL:
                 raise ValueError(f"the reference kernels have no {p.phase!r} pass")
@@ -109,7 +116,7 @@ class Kernels:
             if layer.sliding:
                 mask &= key_pos[None, :] > positions[:, None] - window
             cache.write(layer.idx, start, torch.cat([k, v])[:, :, : p.valid or t])
-            rows.append(ref.rows(ref.attention(qb, keys, vals, mask)))
+            rows.append(ref.rows(self._attend(qb, keys, vals, mask, layer)))
         return torch.cat(rows)
 
     # -- FFN half ----------------------------------------------------------------------------------------

@@ -63,6 +63,39 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     )
 
 
+# The seed's kv-adaptive k of its top-k full-layer attention: ~0.8% of the keys, from 64 to 512 (architecture seed
+# §3: a fixed k = 64 dropped the deepest needle at 121k, this k matched dense).
+TOPK_DIVISOR, TOPK_MIN, TOPK_MAX = 128, 64, 512
+
+
+def topk_keys(n_keys: int) -> int:
+    """Keys a full layer's query row keeps under top-k attention: clamp(n_keys / 128, 64, 512)."""
+    return min(max(n_keys // TOPK_DIVISOR, TOPK_MIN), TOPK_MAX)
+
+
+def attention_topk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, keep: int
+) -> torch.Tensor:
+    """`attention` over each query row's `keep` highest-scoring keys only (the seed's top-k sparse attention):
+    scores q.k in fp32, the row's keep-th largest allowed score its threshold, ties at it broken toward the lower
+    key index (deterministic), softmax over the kept keys, P.V in fp32, the result in q's dtype. With at most
+    `keep` keys in all it is `attention` itself. q [1, H, Tq, d], k/v [1, Hkv, Tk, d], mask [Tq, Tk] or None."""
+    if keep >= k.shape[2]:  # every key kept: dense attention itself
+        return attention(q, k, v, mask)
+    h, hkv = q.shape[1], k.shape[1]
+    kf = k.float().repeat_interleave(h // hkv, dim=1)
+    vf = v.float().repeat_interleave(h // hkv, dim=1)
+    scores = q.float() @ kf.transpose(-1, -2)  # [1, H, Tq, Tk]
+    allowed = torch.ones_like(scores, dtype=torch.bool) if mask is None else mask.expand_as(scores)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    # rank each key in its row by (score descending, index ascending); keep the first `keep`
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order))
+    scores = scores.masked_fill(rank >= keep, float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    return (p @ vf).to(q.dtype)
+
+
 def rows(x: torch.Tensor) -> torch.Tensor:
     """Attention output [1, H, T, d] as o_proj's input rows [T, H * d]."""
     return x[0].transpose(0, 1).reshape(x.shape[2], -1)

@@ -50,7 +50,15 @@ class ModelRunner:
         self.model = model
         self.config = config or RuntimeConfig()
         self.fast = wants_fast_kernels(self.config, model.device, model.dtype)
-        model.kernels = FastKernels(compile=self.config.compile) if self.fast else Kernels()
+        if self.fast and self.config.attention_topk:
+            raise ValueError(
+                "attention_topk runs on the reference kernels only (the fast kernels' top-k is not built yet)"
+            )
+        model.kernels = (
+            FastKernels(compile=self.config.compile)
+            if self.fast
+            else Kernels(topk=self.config.attention_topk)
+        )
         self.graphs_on = self.fast and self.config.graphs and model.device.type == "cuda"
         self.graphs = DenoiseGraphs(model.device, model.cfg.vocab_size, model.dtype, model.embed.dtype)
         # by row count: each cache's `KVCache.denoise_geometry` on the device, as graphs read it
