@@ -90,7 +90,8 @@ def attention_topk(
     scores = scores.masked_fill(~allowed, float("-inf"))
     # rank each key in its row by (score descending, index ascending); keep the first `keep`
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order))
+    ranks = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(-1, order, ranks)
     scores = scores.masked_fill(rank >= keep, float("-inf"))
     p = torch.softmax(scores, dim=-1)
     return (p @ vf).to(q.dtype)
