@@ -305,6 +305,10 @@ class SamplerConfig:
         return cls(**values).validated()
 
 
+# `attention_topk` asked of the fast kernels, explicitly here or by "auto" on a GPU (`runner.ModelRunner`)
+TOPK_ON_FAST = "attention_topk runs on the reference kernels only (the fast kernels' top-k is not built yet)"
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     """How the model runs (`runner.ModelRunner`): where, in what precision and with which kernels."""
@@ -332,10 +336,7 @@ class RuntimeConfig:
             (self.dtype in (None, *DTYPES), f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"),
             (self.kernels in KERNELS, f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}"),
             (self.prefill_chunk > 0, f"prefill_chunk must be > 0, got {self.prefill_chunk}"),
-            (
-                not (self.attention_topk and self.kernels == "fast"),
-                "attention_topk runs on the reference kernels only (the fast kernels' top-k is not built yet)",
-            ),
+            (not (self.attention_topk and self.kernels == "fast"), TOPK_ON_FAST),
             (self.threads is None or self.threads >= 1, f"threads must be at least 1, got {self.threads}"),
         ]
         for ok, message in checks:

@@ -44,7 +44,7 @@ class StepInfo:
     argmax: torch.Tensor  # [C] on device
     accepted: torch.Tensor  # [C] bool on device
     mean_entropy: torch.Tensor  # 0-d on device
-    entropy: torch.Tensor | None = None  # [C] on device: each row's, at the step's temperature
+    entropy: torch.Tensor  # [C] on device: each row's, at the step's temperature
 
 
 @dataclass
@@ -331,12 +331,16 @@ class Turn:
         ids = self.unprefilled if budget is None else self.unprefilled[:budget]
         if not ids:
             return 0
+        self._prefill(ids)
+        self.unprefilled = self.unprefilled[len(ids) :]
+        return len(ids)
+
+    def _prefill(self, ids: list[int]) -> None:
+        """`prefill` ids into the turn's cache, its time counted as the turn's prefill time."""
         t0 = time.perf_counter()
         prefill(self.model, ids, self.kv, self.cfg)
         sync(self.model)
         self.out.prefill_seconds += time.perf_counter() - t0
-        self.unprefilled = self.unprefilled[len(ids) :]
-        return len(ids)
 
     @property
     def remaining(self) -> int:
@@ -362,11 +366,8 @@ class Turn:
             raise RuntimeError("propose needs an open turn without a proposal pending")
         self.prefill_prompt()
         if self.pending:
-            t0 = time.perf_counter()
-            prefill(self.model, self.pending, self.kv, self.cfg)
+            self._prefill(self.pending)
             self.pending = []
-            sync(self.model)
-            self.out.prefill_seconds += time.perf_counter() - t0
 
     def canvas(self) -> Canvas:
         """The next proposal's canvas (`propose` runs it; a caller that runs its forwards itself, `engine.batch`,

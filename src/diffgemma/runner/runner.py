@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from diffgemma.config import ModelConfig, RuntimeConfig, SamplerConfig
+from diffgemma.config import TOPK_ON_FAST, ModelConfig, RuntimeConfig, SamplerConfig
 from diffgemma.kernels.table import FastKernels, Kernels
 from diffgemma.model.kv_cache import KVCache
 from diffgemma.model.model import DiffusionGemma
@@ -51,9 +51,7 @@ class ModelRunner:
         self.config = config or RuntimeConfig()
         self.fast = wants_fast_kernels(self.config, model.device, model.dtype)
         if self.fast and self.config.attention_topk:
-            raise ValueError(
-                "attention_topk runs on the reference kernels only (the fast kernels' top-k is not built yet)"
-            )
+            raise ValueError(TOPK_ON_FAST)
         model.kernels = (
             FastKernels(compile=self.config.compile)
             if self.fast

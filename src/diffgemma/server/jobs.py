@@ -80,7 +80,7 @@ class CanvasFrames:
         self.last = now
         ids = info.argmax.tolist()
         pieces = [self.tok.token_bytes(i).decode("utf-8", "replace") for i in ids]
-        entropy = info.entropy.tolist() if info.entropy is not None else [float(info.mean_entropy)] * len(ids)
+        entropy = info.entropy.tolist()
         self.emit(Canvas(info.block, info.step, info.temperature, pieces, info.accepted.tolist(), entropy))
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from diffgemma.chat import questions
 from diffgemma.chat.template import render_gemma4
 from diffgemma.chat.toolcall import format_call
 
@@ -495,8 +496,6 @@ def _schema_questions(rng: random.Random, state: dict[str, Any]) -> list[tuple[d
 def _schema(rng: random.Random) -> Example:
     """A question schema (one to three questions) about an order: the system message `chat.questions` builds from
     it, the state as JSON, and the answer template with each label filled in."""
-    from diffgemma.chat import questions
-
     pool = KINDS[rng.choice(list(KINDS))]
     state = {"item": rng.choice(pool), "city": rng.choice(CITIES), "days": rng.randint(1, 12)}
     state["count"] = rng.randint(0, 99)
