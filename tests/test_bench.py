@@ -6,7 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from diffgemma.bench import CONTEXTS, TINY_CONTEXTS, BenchOptions, run
+from diffgemma.weights.download import bundled_model
 
 
 def test_bench_tiny_writes_its_results(tmp_path):
@@ -31,6 +34,23 @@ def test_bench_concurrency_runs_n_requests_together(tmp_path):
     conc = json.loads(out.read_text())["concurrency"]
     assert set(conc) == {"1", "3"} and all(conc[n]["tok_s"] > 0 and conc[n]["step_ms"] > 0 for n in conc)
     assert [conc[n]["canvases_per_forward"] for n in ("1", "3")] == [1, 3]  # the three share each forward
+
+
+def test_bench_schema_times_a_first_request_and_a_repeat(tmp_path):
+    out = tmp_path / "bench.json"
+    opts = BenchOptions(
+        model=str(bundled_model()), device="cpu", dtype="float32", contexts="64", gen_steps=0, fixed_steps=0,
+        schema=True, out=str(out),
+    )  # fmt: skip
+    run(opts)
+    timing = json.loads(out.read_text())["schema"]
+    first, repeat = timing["first"], timing["repeat"]
+    assert first["reused_tokens"] == 0 < repeat["reused_tokens"]  # the repeat prefills only its state
+    assert all(
+        r["wall_ms"] >= r["prefill_ms"] + r["denoise_ms"] > 0 and r["reads"] >= 1 for r in (first, repeat)
+    )
+    with pytest.raises(ValueError, match="holds the demo tokenizer"):  # the tiny shape's 1,024 ids
+        run(BenchOptions(tiny=True, device="cpu", dtype="float32", contexts="64", gen_steps=0, schema=True))
 
 
 def test_bench_quant_quantizes_on_the_device_and_measures_the_error(tmp_path):

@@ -658,6 +658,9 @@ def bench(
     concurrency: str | None = typer.Option(
         None, "--concurrency", help="Also N requests at once through the scheduler, e.g. 1,2,4,8,16."
     ),
+    schema: bool = typer.Option(
+        False, "--schema", help="Also a 3-question schema scored: a first request and a repeat."
+    ),
 ) -> None:
     """Measure prefill and denoise speed, a fixed-step generation and peak memory (`bench/compare_hf.py` runs
     transformers on the same weights beside it)."""
@@ -684,6 +687,7 @@ def bench(
         compile=compile,
         out=str(out) if out else None,
         concurrency=concurrency,
+        schema=schema,
     )
     try:
         opts.check()
