@@ -121,6 +121,9 @@ def train_forward(
     is_prompt = (torch.arange(t, device=h.device) < p).repeat(b)[:, None]
     pas = Pass.train(pos, t, masks, is_prompt)
     step = compiled_layer() if compiled else DiffusionGemma.layer_forward
+    # The compiled layer runs in fp32 with autocast off: under bf16 autocast on CUDA its gradients were wrong (the
+    # demo model's norm 3.3e3 against 0.07 eager), in fp32 they equal eager's (docs/train/README.md).
+    precision = torch.autocast(h.device.type, enabled=False) if compiled else contextlib.nullcontext()
     # Every RoPE table before the layers run: a table cache that grew between the compiled layer's calls would be a
     # guard of each call, a recompile a layer, until dynamo's limit left the rest eager.
     for layer in model.layers:
@@ -139,7 +142,8 @@ def train_forward(
                     nll = nll + prev_token_nll(layer, hb, cos, sin, masks[layer.sliding], lines, eps)
                 if layer.idx == lookup_layer(model):
                     nll = nll + lookup_nll(layer, hb, cos, sin, masks[layer.sliding], lookup, p, eps)
-            h, _ = step(model, layer, h, None, pas, None)
+            with precision:
+                h, _ = step(model, layer, h.float() if compiled else h, None, pas, None)
         logits = model.logits(h.view(b, t, -1)[:, p:].reshape(b * c, -1)).view(b, c, -1)
     return logits if lookup is None else (logits, nll)
 
