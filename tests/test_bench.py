@@ -53,6 +53,24 @@ def test_bench_schema_times_a_first_request_and_a_repeat(tmp_path):
         run(BenchOptions(tiny=True, device="cpu", dtype="float32", contexts="64", gen_steps=0, schema=True))
 
 
+def test_bench_topk_error_measures_sparse_against_dense_attention(tmp_path):
+    out = tmp_path / "bench.json"
+    opts = BenchOptions(
+        tiny=True, device="cpu", dtype="float32", contexts="40,256", gen_steps=0, fixed_steps=0, topk_error=True,
+        out=str(out),
+    )  # fmt: skip
+    run(opts)
+    err = json.loads(out.read_text())["topk_error"]
+    # 40 + a 32-row canvas = 72 keys: k = 64 of them, so sparse; at 256, 64 of 288
+    assert err["40"]["keep"] == err["256"]["keep"] == 64
+    for row in err.values():
+        sparse, floor = row["topk_vs_dense"], row["fast_vs_reference"]
+        assert 0 < sparse["logits_rel_err"] and 0 < sparse["argmax_agreement"] <= 1
+        assert len(sparse["layer_rel_err"]) == 5  # the tiny shape's five layers
+        assert sparse["layer_rel_err"][0] == 0 < sparse["layer_rel_err"][1]  # sliding, then the first full layer
+        assert floor["logits_rel_err"] == 0 and floor["argmax_agreement"] == 1  # CPU: one kernel table
+
+
 def test_bench_quant_quantizes_on_the_device_and_measures_the_error(tmp_path):
     out = tmp_path / "bench.json"
     opts = BenchOptions(

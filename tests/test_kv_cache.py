@@ -140,3 +140,19 @@ def test_ring_read_and_read_with_across_wraps_and_rewinds(tiny_a, max_tokens, ri
             kv.length = back + 3
             fp[kv.length] = kv.fingerprint()
             check()
+
+
+def test_kv_layout_names_each_kind_of_layer_and_adds_up_to_the_cache(tiny_a):
+    import re
+
+    from diffgemma.model.kv_cache import cache_bytes, kv_layout
+
+    model = load_model(tiny_a, "cpu", torch.float32)
+    cfg = model.cfg
+    kv = model.new_cache(512, ring_size=32)
+    line = kv_layout(cfg, 512, torch.float32, 32)
+    allocated = sum(buf.numel() * buf.element_size() for buf in kv.kv)
+    assert cache_bytes(cfg, 512, torch.float32, 32) == allocated
+    counts = [int(n) for n in re.findall(r"(\d+) (?:full|sliding) layers", line)]
+    assert sum(counts) == cfg.num_layers and "full layers" in line and "sliding layers" in line
+    assert f"{cfg.canvas_length + 512:,}" in line  # a full layer's slots: the context and a canvas

@@ -21,7 +21,6 @@ import torch
 
 from diffgemma.config import ModelConfig, RuntimeConfig, SamplerConfig
 from diffgemma.model.model import DiffusionGemma
-from diffgemma.model.passes import DENOISE
 from diffgemma.runner.devices import set_cpu_threads
 from diffgemma.runner.runner import ModelRunner
 
@@ -270,6 +269,7 @@ class BenchOptions:
     )
     max_context: dict[str, int] | None = None  # runner name -> the largest context it is measured at
     schema: bool = False  # also a 3-question schema scored through `Engine.score` (`schema_timing`)
+    topk_error: bool = False  # also top-k sparse against dense attention at each context (`topk_error`)
 
     def context_list(self) -> list[int]:
         return [
@@ -573,23 +573,9 @@ def quantize_weights(model: DiffusionGemma, profile: str, sets: tuple[str, ...] 
 def layer_outputs(model: DiffusionGemma, prompt: torch.Tensor, canvas: torch.Tensor) -> list[torch.Tensor]:
     """Each layer's output over a denoise of `canvas` after prefilling `prompt` (through the model's own kernel
     table, eagerly), then the final logits."""
-    outs: list[torch.Tensor] = []
-    real = model.layer_forward
-
-    def record(*args, **kwargs):
-        h, x = real(*args, **kwargs)
-        if args[3].phase == DENOISE:
-            outs.append(h.float())
-        return h, x
-
-    model.layer_forward = record
-    try:
-        cache = model.new_cache(prompt.shape[1] + 2 * canvas.shape[1])
-        model.prefill(prompt, cache)
-        outs.append(model.denoise(canvas, cache, sc_seed=True).float())
-    finally:
-        del model.layer_forward
-    return outs
+    cache = model.new_cache(prompt.shape[1] + 2 * canvas.shape[1])
+    model.prefill(prompt, cache)
+    return denoise_layers(model, canvas, cache)
 
 
 def quant_error(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict[str, Any]:
@@ -604,6 +590,64 @@ def quant_error(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict[str, A
         "logits_rel_err": rel(got[-1], ref[-1]),
         "argmax_agreement": float((got[-1].argmax(-1) == ref[-1].argmax(-1)).float().mean()),
     }
+
+
+def denoise_layers(model: DiffusionGemma, canvas: torch.Tensor, cache) -> list[torch.Tensor]:
+    """Each layer's output over a denoise of `canvas` on a prefilled `cache` (the model's kernel table, eagerly;
+    the cache's length is left as it was), then the final logits."""
+    outs: list[torch.Tensor] = []
+    real = model.layer_forward
+
+    def record(*args, **kwargs):
+        h, x = real(*args, **kwargs)
+        outs.append(h.float())
+        return h, x
+
+    model.layer_forward = record
+    try:
+        outs.append(model.denoise(canvas, cache, sc_seed=True).float())
+    finally:
+        del model.layer_forward
+    return outs
+
+
+def topk_error(runner: ModelRunner, ctxs: list[int], g) -> dict[str, Any]:
+    """Top-k sparse against dense full-layer attention on the same weights, at each context: a denoise step after
+    one dense prefill, on the reference kernels with `attention_topk` on and off (per-layer and final relative
+    error, argmax agreement); beside it the fast kernels' dense step against the reference's, the yardstick of
+    what two exact paths differ by."""
+    from diffgemma.kernels.table import Kernels
+    from diffgemma.kernels.torch_ref import topk_keys
+
+    model, c = runner.model, runner.cfg.canvas_length
+    fast = model.kernels
+    res: dict[str, Any] = {}
+    for ctx in ctxs:
+        prompt = torch.randint(0, runner.cfg.vocab_size, (1, ctx), generator=g).to(runner.device)
+        canvas = torch.randint(0, runner.cfg.vocab_size, (1, c), generator=g).to(runner.device)
+        cache = runner.new_cache(ctx + 2 * c)
+        runner.prefill(prompt, cache)
+        outs = {}
+        try:
+            for name, kernels in (("fast", fast), ("dense", Kernels()), ("topk", Kernels(topk=True))):
+                model.kernels = kernels
+                outs[name] = denoise_layers(model, canvas, cache)
+        finally:
+            model.kernels = fast
+        row = res[str(ctx)] = {
+            "keep": topk_keys(ctx + c),
+            "topk_vs_dense": quant_error(outs["topk"], outs["dense"]),
+            "fast_vs_reference": quant_error(outs["fast"], outs["dense"]),
+        }
+        log(
+            f"top-k at {ctx}: keeps {row['keep']} of {ctx + c} keys; logits relative error "
+            f"{row['topk_vs_dense']['logits_rel_err']:.4f} against dense, argmax agreement "
+            f"{row['topk_vs_dense']['argmax_agreement']:.3f} (the fast kernels against the reference: "
+            f"{row['fast_vs_reference']['logits_rel_err']:.4f}, {row['fast_vs_reference']['argmax_agreement']:.3f})"
+        )
+        del outs, cache
+        gc.collect()
+    return res
 
 
 def kv_bytes(cfg: ModelConfig, ctx: int, dtype: torch.dtype) -> int:
@@ -719,6 +763,8 @@ def run(opts: BenchOptions) -> dict[str, Any]:
         results["concurrency"] = concurrency(runner, opts, ns, torch.Generator().manual_seed(7))
     if opts.schema:
         results["schema"] = schema_timing(runner, opts.reps)
+    if opts.topk_error:
+        results["topk_error"] = topk_error(runner, opts.context_list(), torch.Generator().manual_seed(11))
     save(results, opts.out)
     print(table(results, opts.context_list()))
     return results

@@ -661,6 +661,9 @@ def bench(
     schema: bool = typer.Option(
         False, "--schema", help="Also a 3-question schema scored: a first request and a repeat."
     ),
+    topk_error: bool = typer.Option(
+        False, "--topk-error", help="Also top-k sparse against dense attention at each context (errors)."
+    ),
 ) -> None:
     """Measure prefill and denoise speed, a fixed-step generation and peak memory (`bench/compare_hf.py` runs
     transformers on the same weights beside it)."""
@@ -688,6 +691,7 @@ def bench(
         out=str(out) if out else None,
         concurrency=concurrency,
         schema=schema,
+        topk_error=topk_error,
     )
     try:
         opts.check()

@@ -48,6 +48,24 @@ def cache_bytes(cfg: ModelConfig, max_tokens: int, dtype: torch.dtype, ring_size
     )
 
 
+def kv_layout(cfg: ModelConfig, max_tokens: int, dtype: torch.dtype, ring_size: int) -> str:
+    """One line for a cache's layout: each kind of layer's [K/V, kv heads, slots, head_dim] buffers and bytes."""
+    size = torch.empty((), dtype=dtype).element_size()
+    parts = []
+    for kind, sliding in (("full", False), ("sliding", True)):
+        layers = [i for i in range(cfg.num_layers) if cfg.is_sliding(i) == sliding]
+        if not layers:
+            continue
+        i = layers[0]
+        slots = layer_slots(cfg, i, max_tokens, ring_size)
+        nbytes = len(layers) * 2 * slots * cfg.num_kv_heads[i] * cfg.head_dims[i] * size
+        parts.append(
+            f"{len(layers)} {kind} layers x [2, {cfg.num_kv_heads[i]}, {slots:,}, {cfg.head_dims[i]}] "
+            f"({nbytes / 2**30:.2f} GiB)"
+        )
+    return "; ".join(parts)
+
+
 class KVCache:
     """K and V for every layer, shaped [1, kv_heads, slots, head_dim]: views of one [2, kv_heads, slots,
     head_dim] buffer per layer, so that a canvas's K and V are stored by one copy.

@@ -10,7 +10,7 @@ import torch
 
 from diffgemma.config import SERVE_CONTEXT, ModelConfig
 from diffgemma.engine.engine import Engine, load
-from diffgemma.model.kv_cache import cache_bytes, ring_slots
+from diffgemma.model.kv_cache import cache_bytes, kv_layout, ring_slots
 from diffgemma.server.app import DEFAULT_MAX_CONVERSATIONS, DEFAULT_MAX_QUEUE, create_app
 from diffgemma.session.registry import SERVE_REWIND_SLACK
 
@@ -19,10 +19,14 @@ log = logging.getLogger("diffgemma.server")
 MEMORY_SHARE = 0.8  # of the memory free after loading, what the conversations' KV caches may take
 
 
+def serve_ring(engine: Engine, ctx: int) -> int:
+    """A served conversation's sliding-layer ring slots (room to rewind `SERVE_REWIND_SLACK` tokens)."""
+    return ring_slots(engine.config, ctx, SERVE_REWIND_SLACK)
+
+
 def kv_bytes(engine: Engine, ctx: int) -> int:
     """Bytes of one conversation's preallocated KV cache at context `ctx`."""
-    cfg = engine.config
-    return cache_bytes(cfg, ctx, engine.model.dtype, ring_slots(cfg, ctx, SERVE_REWIND_SLACK))
+    return cache_bytes(engine.config, ctx, engine.model.dtype, serve_ring(engine, ctx))
 
 
 def free_memory(device: torch.device) -> int | None:
@@ -95,5 +99,8 @@ def serve(
         "forwards",
         conversations, ctx, kv_bytes(engine, ctx) / 2**30,
     )  # fmt: skip
+    log.info(
+        "KV cache layout: %s", kv_layout(engine.config, ctx, engine.model.dtype, serve_ring(engine, ctx))
+    )
     log.info("serving %s at http://%s:%d/v1 (context %d)", app.state.model_id, host, port, ctx)
     uvicorn.run(app, host=host, port=port, log_level="info")
