@@ -1,6 +1,7 @@
 """The seed's top-k sparse full-layer attention (`torch_ref.attention_topk`, `RuntimeConfig.attention_topk`) on the
-reference kernels: pinned to a per-row brute force, dense where a row has at most k keys, ties to the lower key,
-and refused on the fast kernels, which do not have it yet."""
+reference kernels: pinned to a per-row brute force, dense where a row has at most k keys, ties to the lower key.
+The fast kernels' (kernels/triton_topk.py) are pinned to it in tests/test_triton_topk_interpret.py and on a GPU
+in tests/gpu/test_topk_fast.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import math
 import pytest
 import torch
 
-from diffgemma.config import ConfigError, RuntimeConfig
+from diffgemma.config import RuntimeConfig
 from diffgemma.kernels import torch_ref as ref
 from diffgemma.runner.runner import ModelRunner
 from diffgemma.weights.loader import load_model
@@ -76,6 +77,35 @@ def test_the_option_runs_the_full_layers_top_k(tiny_a):
         dense = ModelRunner(model, RuntimeConfig(kernels="reference"))  # its kernels back on the model
 
 
-def test_the_fast_kernels_refuse_it():
-    with pytest.raises(ConfigError, match="reference kernels only"):
-        RuntimeConfig(kernels="fast", attention_topk=True).validated()
+def test_the_fast_kernels_take_it_on_a_cuda_device_only(tiny_a):
+    model = load_model(tiny_a, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        ModelRunner(model, RuntimeConfig(kernels="fast", attention_topk=True))
+
+
+def test_the_fast_kernels_torch_fallback_is_the_reference():
+    """`library._attend_topk` without Triton (the CPU, or a failed kernel): the reference on materialized scores,
+    with each row limit (valid keys and k from their count, a prefill block's causal rows, a commit's tail)."""
+    from diffgemma.kernels import library
+
+    g = torch.Generator().manual_seed(8)
+    hkv, grp, t, d, s = 2, 2, 5, 16, 400
+    q = torch.randn(1, hkv * grp, t, d, generator=g)
+    k, v = torch.randn(1, hkv, s, d, generator=g), torch.randn(1, hkv, s, d, generator=g)
+    scores = library._bmm_fp32(q.reshape(hkv, grp * t, d), k[0].transpose(1, 2))
+    rows = torch.arange(t)[:, None]
+    cases = [  # (keep, limits, the reference's keys and mask)
+        (None, dict(valid=torch.tensor([300], dtype=torch.int32)), 300, None),
+        (64, dict(causal=(390, t)), s, torch.arange(s)[None] < 390 + rows),
+        (
+            64,
+            dict(valid=torch.tensor([200], dtype=torch.int32), tail=t),
+            200,
+            torch.arange(200)[None] <= 195 + rows,
+        ),
+    ]
+    for keep, limits, n, mask in cases:
+        out = torch.empty(hkv, grp, t, d)
+        library._attend_topk(scores, v[0], out, keep, **limits)
+        want = ref.attention_topk(q, k[:, :, :n], v[:, :, :n], mask, keep or ref.topk_keys(n))
+        assert torch.allclose(out.reshape(1, hkv * grp, t, d), want, atol=1e-5), limits

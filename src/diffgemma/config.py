@@ -305,10 +305,6 @@ class SamplerConfig:
         return cls(**values).validated()
 
 
-# `attention_topk` asked of the fast kernels, explicitly here or by "auto" on a GPU (`runner.ModelRunner`)
-TOPK_ON_FAST = "attention_topk runs on the reference kernels only (the fast kernels' top-k is not built yet)"
-
-
 @dataclass(frozen=True)
 class RuntimeConfig:
     """How the model runs (`runner.ModelRunner`): where, in what precision and with which kernels."""
@@ -323,8 +319,8 @@ class RuntimeConfig:
     )
     graphs: bool = True  # CUDA graphs for the denoise steps, commits and short prefills (CUDA only)
     prefill_chunk: int = 8192  # tokens a fast prefill pass (docs/performance.md, "Prefill chunk size")
-    # the seed's top-k sparse full-layer attention (`torch_ref.attention_topk`); the reference kernels only, so far:
-    # off until the fast kernels have it and its effect is measured (docs/performance.md, "Top-k attention")
+    # the seed's top-k sparse full-layer attention (`torch_ref.attention_topk`; on the fast kernels
+    # kernels/triton_topk.py): off until its speed and effect are measured (docs/performance.md, "Top-k attention")
     attention_topk: bool = False
     threads: int | None = None  # CPU threads (None: one for a small model, else torch's default)
 
@@ -336,7 +332,6 @@ class RuntimeConfig:
             (self.dtype in (None, *DTYPES), f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"),
             (self.kernels in KERNELS, f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}"),
             (self.prefill_chunk > 0, f"prefill_chunk must be > 0, got {self.prefill_chunk}"),
-            (not (self.attention_topk and self.kernels == "fast"), TOPK_ON_FAST),
             (self.threads is None or self.threads >= 1, f"threads must be at least 1, got {self.threads}"),
         ]
         for ok, message in checks:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from diffgemma.kernels import dispatch
-from diffgemma.kernels.torch_ref import gelu_tanh, rows, sum_sorted_pairs
+from diffgemma.kernels.torch_ref import gelu_tanh, rows, sum_sorted_pairs, topk_keys
 from diffgemma.quant.formats import FP8_MAX
 from diffgemma.quant.weight import QuantWeight, dense
 
@@ -145,6 +145,7 @@ def attention_nomask(
     v: torch.Tensor,
     span: tuple[torch.Tensor, int] | None = None,
     valid: torch.Tensor | None = None,
+    topk: bool = False,
 ) -> torch.Tensor:
     """Unmasked attention (the denoise phase), scale 1. q [1, H, T, d], k/v [1, Hkv, S, d].
 
@@ -160,7 +161,8 @@ def attention_nomask(
 
     Read on the device, so that a CUDA graph serves any cache length: `span` = (int32 [2], n_max), the keys are
     slots span[0] .. span[0] + span[1] of k and v (at most n_max of them); `valid` (int32 [1]): only the first
-    valid[0] keys count."""
+    valid[0] keys count. `topk` (with `valid`, on CUDA): the seed's top-k sparse attention on the materialized
+    scores (`_attend_topk`), k = clamp(valid[0] / 128, 64, 512)."""
     _, h, t, d = q.shape
     hkv = k.shape[1]
     qf = q.reshape(1, hkv, (h // hkv) * t, d)
@@ -168,8 +170,10 @@ def attention_nomask(
     # is free
     rows = torch.empty(t, h, d, device=q.device, dtype=q.dtype)
     heads = rows.view(t, hkv, h // hkv, d).permute(1, 2, 0, 3)
-    if d > 256 and q.is_cuda and span is None:
-        _attend_materialized(qf[0], k[0], v[0], heads, valid=valid)
+    if topk and (valid is None or span is not None or not q.is_cuda):
+        raise ValueError("attention_nomask: top-k reads a count of valid keys on a CUDA device (full layers)")
+    if (d > 256 or topk) and q.is_cuda and span is None:
+        _attend_materialized(qf[0], k[0], v[0], heads, valid=valid, topk=topk)
         return rows.transpose(0, 1)[None]
     if valid is None and triton_attn_for(q) is not None:
 
@@ -201,17 +205,21 @@ def attention_commit(
     span: tuple[torch.Tensor, int] | None = None,
     valid: torch.Tensor | None = None,
     window: int | None = None,
+    topk: bool = False,
 ) -> torch.Tensor:
     """Causal attention of a block's commit on a denoise step's geometry: the T queries are the last T keys (the
     canvas slots), query i sees the keys up to its own and, with `window`, no more than `window` of them (a
     sliding layer's). q [1, H, T, d], k/v [1, Hkv, S, d], scale 1; `span` or `valid` as for attention_nomask,
     always read on the device, so that a CUDA graph and an eager call run the same kernels. Returns o_proj's
     rows as attention_nomask does. A span (sliding layers) takes SDPA with a mask built on the device; `valid`
-    (full layers) the materialized scores, with the causal limits counted back from valid."""
+    (full layers) the materialized scores, with the causal limits counted back from valid, top-k sparse with
+    `topk` as in attention_nomask."""
     if (span is None) == (valid is None):
         raise ValueError(
             "attention_commit takes a span (sliding layers) or a count of valid keys (full layers)"
         )
+    if topk and valid is None:
+        raise ValueError("attention_commit: top-k reads a count of valid keys (full layers)")
     _, h, t, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
@@ -219,7 +227,7 @@ def attention_commit(
     rows = torch.empty(t, h, d, device=q.device, dtype=q.dtype)
     heads = rows.view(t, hkv, g, d).permute(1, 2, 0, 3)
     if valid is not None:
-        _attend_materialized(qf[0], k[0], v[0], heads, valid=valid, tail=t)
+        _attend_materialized(qf[0], k[0], v[0], heads, valid=valid, tail=t, topk=topk)
         return rows.transpose(0, 1)[None]
     n_max = span[1]
     k, v = _span_slots(k, v, span)
@@ -259,6 +267,18 @@ def exp_to(
     out = dispatch.attempt("triton_softmax", lambda m: m.exp_rows(scores, dtype, causal, valid, tail), scores)
     if out is not None:
         return out
+    scores = _mask_rows(scores, causal, valid, tail)
+    p = torch.exp(scores - scores.amax(-1, keepdim=True))
+    return p.to(dtype), p.sum(-1)
+
+
+def _mask_rows(
+    scores: torch.Tensor,
+    causal: tuple[int, int] | None = None,
+    valid: torch.Tensor | None = None,
+    tail: int | None = None,
+) -> torch.Tensor:
+    """scores with -inf past what each row keeps (`exp_to`'s limits), in torch ops."""
     cols = torch.arange(scores.shape[-1], device=scores.device)
     if tail is not None:
         causal = (valid + 1 - tail, tail)  # a base on the device: torch's ops take it as it is
@@ -268,8 +288,7 @@ def exp_to(
         scores = scores.masked_fill(cols >= base + r, float("-inf"))
     if valid is not None:
         scores = scores.masked_fill(cols >= valid, float("-inf"))
-    p = torch.exp(scores - scores.amax(-1, keepdim=True))
-    return p.to(dtype), p.sum(-1)
+    return scores
 
 
 def _attend_materialized(
@@ -280,11 +299,49 @@ def _attend_materialized(
     causal: tuple[int, int] | None = None,
     valid: torch.Tensor | None = None,
     tail: int | None = None,
+    topk: bool = False,
+    keep: int | None = None,
 ) -> None:
     """out [Hkv, g, T, d] = softmax(q @ k.T) @ v for q [Hkv, g*T, d] and k, v [Hkv, S, d], scale 1, with the fp32
-    scores materialized: two GEMMs around `exp_to` (`causal`, `valid`, `tail` as there), the division last."""
-    p, sums = exp_to(_bmm_fp32(q, k.transpose(1, 2)), v.dtype, causal, valid, tail)
+    scores materialized: two GEMMs around `exp_to` (`causal`, `valid`, `tail` as there), the division last; with
+    `topk`, the seed's top-k sparse attention on those scores (`_attend_topk`, `keep` keys a row, None: from
+    valid)."""
+    scores = _bmm_fp32(q, k.transpose(1, 2))
+    if topk:
+        _attend_topk(scores, v, out, keep, causal, valid, tail)
+        return
+    p, sums = exp_to(scores, v.dtype, causal, valid, tail)
     divide_rows(_bmm_fp32(p, v), sums, out)
+
+
+def _attend_topk(
+    scores: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    keep: int | None,
+    causal: tuple[int, int] | None = None,
+    valid: torch.Tensor | None = None,
+    tail: int | None = None,
+) -> None:
+    """out [Hkv, g, T, d] = softmax over each row's `keep` best fp32 scores [Hkv, g*T, S] (None: clamp(valid[0] /
+    128, 64, 512)), ties to the lower key, times v [Hkv, S, d] in fp32: `torch_ref.attention_topk` on
+    materialized scores, with `exp_to`'s row limits. The Triton selection and gathered P.V
+    (kernels/triton_topk.py), else torch (a sort of every row and a host read of valid)."""
+
+    def kernels(m) -> torch.Tensor:
+        return m.gather_pv(*m.select_rows(scores, keep, causal, valid, tail), v, out)
+
+    if dispatch.attempt("triton_topk", kernels, scores) is not None:
+        return
+    if keep is None:
+        keep = topk_keys(int(valid))
+    masked = _mask_rows(scores, causal, valid, tail)
+    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    )
+    p = torch.softmax(masked.masked_fill(rank >= keep, float("-inf")), dim=-1)
+    out.copy_((p @ v.float()).view(out.shape))
 
 
 def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -398,17 +455,23 @@ def _sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
     return (torch.softmax(s, dim=-1) @ v.float()).to(q.dtype), lse
 
 
-def attention_causal_past(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+def attention_causal_past(
+    q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, topk: bool = False
+) -> torch.Tensor:
     """Full-layer prefill chunk, as rows [T, H * d]: every query sees all past keys and its chunk causally.
     q [1, H, T, d]; keys/vals [1, Hkv, P + T, d], the past then the chunk's own (the cache's view after the
     chunk's write: no concatenation).
 
-    d = 512 on CUDA in 16 bits (the real full layers): `attention_causal_scores`. Otherwise two mask-free
-    kernels merged by their log-sum-exps: the past part with GQA folded into the query length, the chunk
-    part causal with its (small) K/V expanded to the query heads."""
+    d = 512 on CUDA in 16 bits (the real full layers), and top-k on CUDA: `attention_causal_scores`. Otherwise
+    two mask-free kernels merged by their log-sum-exps: the past part with GQA folded into the query length, the
+    chunk part causal with its (small) K/V expanded to the query heads."""
     _, h, t, d = q.shape
-    if d > 256 and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        return attention_causal_scores(q, keys, vals)
+    if topk and not q.is_cuda:
+        raise ValueError(
+            "attention_causal_past: top-k runs on a CUDA device (the reference kernels' elsewhere)"
+        )
+    if topk or (d > 256 and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
+        return attention_causal_scores(q, keys, vals, topk=topk)
     p = keys.shape[2] - t
     k, v = keys[:, :, p:], vals[:, :, p:]
     ch, lse_c = _sdpa_lse(q, _expand_kv(k, h), _expand_kv(v, h), True)
@@ -430,7 +493,7 @@ MAX_QUERY_BLOCK = 1024
 
 
 def attention_causal_scores(
-    q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, block: int | None = None
+    q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, block: int | None = None, topk: bool = False
 ) -> torch.Tensor:
     """attention_causal_past with the scores materialized, as attention_nomask does for d = 512 (where the
     memory-efficient SDPA kernel took 2.8 ms per call on an H200 for a 4k chunk): per block of queries,
@@ -439,7 +502,8 @@ def attention_causal_scores(
     d], keys/vals [1, Hkv, P + T, d] (the chunk's last); scale 1. Returns rows [T, H * d].
 
     `block` (queries per block) defaults to MAX_QUERY_BLOCK, or fewer to keep a block's scores under
-    SCORE_BYTES."""
+    SCORE_BYTES. `topk`: the seed's top-k sparse attention, k = clamp((P + T) / 128, 64, 512) of the chunk's keys
+    in all, as the reference counts them (`torch_ref.attention_topk`)."""
     _, h, t, d = q.shape
     hkv, p = keys.shape[1], keys.shape[2] - t
     g = h // hkv
@@ -454,5 +518,7 @@ def attention_causal_scores(
         # row i of each n (query s+i) sees the past and chunk keys up to its own: the first p + s + i + 1
         qb = q4[:, :, s:e].reshape(hkv, g * n, d)
         kb, vb = keys[0, :, : p + e], vals[0, :, : p + e]
-        _attend_materialized(qb, kb, vb, out[s:e].permute(1, 2, 0, 3), causal=(p + s + 1, n))
+        _attend_materialized(
+            qb, kb, vb, out[s:e].permute(1, 2, 0, 3), causal=(p + s + 1, n), topk=topk, keep=topk_keys(p + t)
+        )
     return out.view(t, h * d)

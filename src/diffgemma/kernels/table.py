@@ -198,8 +198,8 @@ class FastKernels(Kernels):
 
     fast = True
 
-    def __init__(self, compile: bool = True) -> None:
-        super().__init__()
+    def __init__(self, compile: bool = True, topk: bool = False) -> None:
+        super().__init__(topk=topk)
         self.regions = regions.make_regions(enabled=compile)  # fixed shapes: the denoise step
         self.prefill_regions = regions.make_regions(enabled=compile, dynamic=True)  # any token count
         self._side: dict[torch.device, torch.cuda.Stream] = {}
@@ -310,11 +310,10 @@ class FastKernels(Kernels):
             n = p.full_keys[row]
             k, v = buf[0:1, :, :n], buf[1:2, :, :n]
             attend = library.attention_commit if causal else library.attention_nomask
-            out = attend(q, k, v, valid=geo[4:5])
+            out = attend(q, k, v, valid=geo[4:5], topk=self.topk)
         return ref.rows(out)
 
-    @staticmethod
-    def _prefill_attention(q, chunk, layer, cache, p: Pass, window: int) -> torch.Tensor:
+    def _prefill_attention(self, q, chunk, layer, cache, p: Pass, window: int) -> torch.Tensor:
         """A prefill chunk's causal attention over the cached past and itself, as rows [T, H*d]; writes the
         chunk's K/V. A sliding layer's window is copied into the attention's buffer before the write may
         overwrite it. The sliding layers share one mask (`library.window_bias`): they see the same positions."""
@@ -331,7 +330,7 @@ class FastKernels(Kernels):
             both = cache.span(layer.idx, start + t)
         else:
             both = torch.cat([cache.span(layer.idx, start).to(chunk.dtype), chunk], dim=2)
-        return library.attention_causal_past(q, both[0:1], both[1:2])
+        return library.attention_causal_past(q, both[0:1], both[1:2], topk=self.topk)
 
     # -- FFN half ----------------------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from diffgemma.config import TOPK_ON_FAST, ModelConfig, RuntimeConfig, SamplerConfig
+from diffgemma.config import ModelConfig, RuntimeConfig, SamplerConfig
 from diffgemma.kernels.table import FastKernels, Kernels
 from diffgemma.model.kv_cache import KVCache
 from diffgemma.model.model import DiffusionGemma
@@ -50,10 +50,12 @@ class ModelRunner:
         self.model = model
         self.config = config or RuntimeConfig()
         self.fast = wants_fast_kernels(self.config, model.device, model.dtype)
-        if self.fast and self.config.attention_topk:
-            raise ValueError(TOPK_ON_FAST)
+        if self.fast and self.config.attention_topk and model.device.type != "cuda":
+            raise ValueError(
+                "attention_topk on the fast kernels needs a CUDA device (the reference kernels have it)"
+            )
         model.kernels = (
-            FastKernels(compile=self.config.compile)
+            FastKernels(compile=self.config.compile, topk=self.config.attention_topk)
             if self.fast
             else Kernels(topk=self.config.attention_topk)
         )
