@@ -323,6 +323,8 @@ class RuntimeConfig:
     # kernels/triton_topk.py): off until its speed and effect are measured (docs/performance.md, "Top-k attention")
     attention_topk: bool = False
     threads: int | None = None  # CPU threads (None: one for a small model, else torch's default)
+    # ranks that share each layer's experts (`runner.parallel`; launched by torchrun, one process a GPU); 1: none
+    expert_parallel: int = 1
 
     def replace(self, **changes: Any) -> RuntimeConfig:
         return dataclasses.replace(self, **changes).validated()
@@ -333,6 +335,7 @@ class RuntimeConfig:
             (self.kernels in KERNELS, f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}"),
             (self.prefill_chunk > 0, f"prefill_chunk must be > 0, got {self.prefill_chunk}"),
             (self.threads is None or self.threads >= 1, f"threads must be at least 1, got {self.threads}"),
+            (self.expert_parallel >= 1, f"expert_parallel must be at least 1, got {self.expert_parallel}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -16,6 +16,7 @@ from diffgemma.kernels.table import FastKernels, Kernels
 from diffgemma.model.kv_cache import KVCache
 from diffgemma.model.model import DiffusionGemma
 from diffgemma.model.passes import COMMIT, Pass
+from diffgemma.runner import parallel
 from diffgemma.runner.graphs import DenoiseGraphs, GraphStep, full_keys
 
 
@@ -59,7 +60,17 @@ class ModelRunner:
             if self.fast
             else Kernels(topk=self.config.attention_topk)
         )
-        self.graphs_on = self.fast and self.config.graphs and model.device.type == "cuda"
+        if (
+            self.config.expert_parallel > 1
+        ):  # this rank's experts, the others' summed in (a host read a layer)
+            lo, hi = parallel.shard_experts(model, self.config.expert_parallel)
+            model.kernels = parallel.ExpertParallelKernels(model.kernels, lo, hi)
+        self.graphs_on = (
+            self.fast
+            and self.config.graphs
+            and model.device.type == "cuda"
+            and self.config.expert_parallel == 1
+        )
         self.graphs = DenoiseGraphs(model.device, model.cfg.vocab_size, model.dtype, model.embed.dtype)
         # by row count: each cache's `KVCache.denoise_geometry` on the device, as graphs read it
         self._geometry: dict[int, torch.Tensor] = {}
