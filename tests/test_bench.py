@@ -113,11 +113,37 @@ def test_bench_defaults_and_usage_errors():
         (["--concurrency", "2,x"], "--concurrency takes positive counts"),
         (["--quant", "q4"], "unknown profile 'q4'"),
         (["--set", "attn=fp8"], "needs --quant"),
+        (["--expert-parallel", "2", "--data-parallel", "2"], "not both above 1"),
     ):
         proc = subprocess.run(
             [sys.executable, "-m", "diffgemma.cli", "bench", "--tiny", *args], capture_output=True, text=True
         )
         assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("flag", ["--expert-parallel", "--data-parallel"])
+def test_bench_over_two_processes_under_torchrun(tmp_path, flag):
+    """Two CPU processes over gloo, launched as on GPUs: the first rank writes the results of both."""
+    out = tmp_path / "bench.json"
+    args = ["--tiny", "--contexts", "64", "--gen-steps", "0", "--fixed-steps", "2", "--gen-prompt", "40"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "diffgemma.cli", "bench",
+         *args, "--concurrency", "1,2", flag, "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["ranks"] == 2 and data["diffgemma"]["denoise_step_ms"]["64"] > 0
+    conc = data["concurrency"]["2"]
+    if flag == "--data-parallel":  # each rank's own two requests, summed
+        assert conc["tok_s_all_ranks"] > conc["tok_s"] > 0
+    else:
+        assert "tok_s_all_ranks" not in conc and conc["canvases_per_forward"] == 2
+    alone = subprocess.run(
+        [sys.executable, "-m", "diffgemma.cli", "bench", *args, flag, "2"], capture_output=True, text=True
+    )
+    assert alone.returncode != 0 and "torchrun --nproc-per-node 2" in alone.stderr
+    assert alone.stderr.count("\n") == 1
 
 
 def _compare_hf():

@@ -62,3 +62,19 @@ def test_expert_parallel_refusals(tiny_a):
         ModelRunner(model, RuntimeConfig(kernels="reference", expert_parallel=2))
     with pytest.raises(Exception, match="expert_parallel must be at least 1"):
         RuntimeConfig(expert_parallel=0).validated()
+
+
+def test_serve_refuses_expert_parallel_in_one_line():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DIFFGEMMA_EXPERT_PARALLEL": "2"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "diffgemma.cli", "serve", "--port", "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode != 0 and "serve does not run expert parallel yet" in proc.stderr
+    assert [line for line in proc.stderr.splitlines() if "error" in line] == [proc.stderr.splitlines()[-1]]

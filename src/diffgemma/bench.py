@@ -270,6 +270,8 @@ class BenchOptions:
     max_context: dict[str, int] | None = None  # runner name -> the largest context it is measured at
     schema: bool = False  # also a 3-question schema scored through `Engine.score` (`schema_timing`)
     topk_error: bool = False  # also top-k sparse against dense attention at each context (`topk_error`)
+    expert_parallel: int = 1  # ranks sharing the experts (under torchrun; `runner.parallel`)
+    data_parallel: int = 1  # ranks each measuring a replica of its own (under torchrun), their tok/s summed
 
     def context_list(self) -> list[int]:
         return [
@@ -286,6 +288,14 @@ class BenchOptions:
             ns = [x.strip() for x in self.concurrency.split(",") if x.strip()]
             if not ns or not all(x.isdigit() and int(x) > 0 for x in ns):
                 raise ValueError(f"--concurrency takes positive counts like 1,2,4, got {self.concurrency!r}")
+        if (
+            min(self.expert_parallel, self.data_parallel) < 1
+            or min(self.expert_parallel, self.data_parallel) > 1
+        ):
+            raise ValueError(
+                "--expert-parallel and --data-parallel take a count of at least 1, and not both above 1 (their "
+                f"combination is not built), got {self.expert_parallel} and {self.data_parallel}"
+            )
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {self.threads}")
         if self.init not in ("hf", "wide"):
@@ -442,6 +452,10 @@ def concurrency(runner: ModelRunner, opts: BenchOptions, ns: list[int], g) -> di
             "canvases_per_forward": max(sched.forwards) if sched.forwards else 0,
             "peak_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
         }
+        if opts.data_parallel > 1:  # every rank ran n requests on its replica: the sum is the N GPUs' rate
+            total = torch.tensor([row["tok_s"]], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(total)
+            row["tok_s_all_ranks"] = float(total)
         if "1" in res and n > 1:
             row["ms_per_added_canvas"] = (row["step_ms"] - res["1"]["step_ms"]) / (n - 1)
             row["speedup"] = row["tok_s"] / res["1"]["tok_s"]
@@ -684,7 +698,25 @@ def table(results: dict[str, Any], ctxs: list[int], other: str = "transformers")
 
 
 def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    """A progress line on stderr, from the first rank only under torch.distributed."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def join_ranks(opts: BenchOptions) -> int:
+    """The process group of an --expert-parallel / --data-parallel run (torchrun's); its size, or 1."""
+    from diffgemma.runner.parallel import init_from_env
+
+    want = max(opts.expert_parallel, opts.data_parallel)
+    if want == 1:
+        return 1
+    _, world = init_from_env()
+    if world != want:
+        flag = "--expert-parallel" if opts.expert_parallel > 1 else "--data-parallel"
+        raise ValueError(
+            f"{flag} {want} runs under torchrun --nproc-per-node {want}; this is {world} process(es)"
+        )
+    return world
 
 
 def setup(opts: BenchOptions) -> tuple[ModelRunner, dict[str, Any], dict[str, Any]]:
@@ -713,7 +745,12 @@ def setup(opts: BenchOptions) -> tuple[ModelRunner, dict[str, Any], dict[str, An
         results["init"] = opts.init
     if device.type == "cpu":
         results["threads"] = set_cpu_threads(model.cfg, opts.threads)
-    runtime = RuntimeConfig(kernels=opts.kernels, compile=opts.compile, prefill_chunk=opts.prefill_chunk)
+    runtime = RuntimeConfig(
+        kernels=opts.kernels,
+        compile=opts.compile,
+        prefill_chunk=opts.prefill_chunk,
+        expert_parallel=opts.expert_parallel,
+    )
     runner = ModelRunner(model, runtime.validated())
     if opts.quant:  # the bf16 model's outputs first, then the same weights quantized
         g = torch.Generator().manual_seed(2)
@@ -752,8 +789,12 @@ def save(results: dict[str, Any], out: str | None) -> None:
 
 
 def run(opts: BenchOptions) -> dict[str, Any]:
-    """`diffgemma bench`: measure our runner, print the table, write the JSON; returns the results."""
+    """`diffgemma bench`: measure our runner, print the table, write the JSON; returns the results. Under
+    torchrun with --expert-parallel or --data-parallel every rank measures and the first one reports."""
+    opts.check()
+    ranks = join_ranks(opts)
     runner, _, results = setup(opts)
+    results.update(expert_parallel=opts.expert_parallel, data_parallel=opts.data_parallel, ranks=ranks)
     results["diffgemma"] = measure(
         OursRunner(runner), opts.context_list(), opts, runner.device, ours_need(runner), log
     )
@@ -765,6 +806,8 @@ def run(opts: BenchOptions) -> dict[str, Any]:
         results["schema"] = schema_timing(runner, opts.reps)
     if opts.topk_error:
         results["topk_error"] = topk_error(runner, opts.context_list(), torch.Generator().manual_seed(11))
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() > 0:
+        return results
     save(results, opts.out)
     print(table(results, opts.context_list()))
     return results

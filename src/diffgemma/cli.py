@@ -664,6 +664,16 @@ def bench(
     topk_error: bool = typer.Option(
         False, "--topk-error", help="Also top-k sparse against dense attention at each context (errors)."
     ),
+    expert_parallel: int = typer.Option(
+        1,
+        "--expert-parallel",
+        help="Ranks sharing each layer's experts (run under torchrun --nproc-per-node N).",
+    ),
+    data_parallel: int = typer.Option(
+        1,
+        "--data-parallel",
+        help="Ranks each running a replica, tok/s summed (under torchrun --nproc-per-node N).",
+    ),
 ) -> None:
     """Measure prefill and denoise speed, a fixed-step generation and peak memory (`bench/compare_hf.py` runs
     transformers on the same weights beside it)."""
@@ -692,6 +702,8 @@ def bench(
         concurrency=concurrency,
         schema=schema,
         topk_error=topk_error,
+        expert_parallel=expert_parallel,
+        data_parallel=data_parallel,
     )
     try:
         opts.check()

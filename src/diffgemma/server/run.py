@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from diffgemma.config import SERVE_CONTEXT, ModelConfig
+from diffgemma.config import SERVE_CONTEXT, ModelConfig, load_runtime_config
 from diffgemma.engine.engine import Engine, load
 from diffgemma.model.kv_cache import cache_bytes, kv_layout, ring_slots
 from diffgemma.server.app import DEFAULT_MAX_CONVERSATIONS, DEFAULT_MAX_QUEUE, create_app
@@ -76,6 +76,10 @@ def serve(
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if load_runtime_config().expert_parallel > 1:
+        raise ValueError(
+            "serve does not run expert parallel yet (DIFFGEMMA_EXPERT_PARALLEL): bench and the Python API do"
+        )
     ctx = ModelConfig.from_dir(model_path).context(ctx, SERVE_CONTEXT)
     engine = load(model_path, device=device, dtype=dtype, max_tokens=ctx, threads=threads)
     if engine.runner.fast:
