@@ -46,8 +46,9 @@ def test_bench_schema_times_a_first_request_and_a_repeat(tmp_path):
     timing = json.loads(out.read_text())["schema"]
     first, repeat = timing["first"], timing["repeat"]
     assert first["reused_tokens"] == 0 < repeat["reused_tokens"]  # the repeat prefills only its state
+    # medians of each field: each positive (a median of sums need not be the sum of the medians)
     assert all(
-        r["wall_ms"] >= r["prefill_ms"] + r["denoise_ms"] > 0 and r["reads"] >= 1 for r in (first, repeat)
+        min(r["wall_ms"], r["prefill_ms"], r["denoise_ms"]) > 0 and r["reads"] >= 1 for r in (first, repeat)
     )
     with pytest.raises(ValueError, match="holds the demo tokenizer"):  # the tiny shape's 1,024 ids
         run(BenchOptions(tiny=True, device="cpu", dtype="float32", contexts="64", gen_steps=0, schema=True))
