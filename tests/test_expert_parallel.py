@@ -30,6 +30,9 @@ def _run(path: Path, world: int) -> dict:
     out = drive(Turn(runner, PROMPT, kv, sampler, seed=3, max_new_tokens=2 * model.cfg.canvas_length))
     canvas = torch.arange(model.cfg.canvas_length)[None] % model.cfg.vocab_size
     logits = runner.denoise(canvas, kv)
+    if world > 1:  # a second runner on the sharded model keeps its share (and the same logits)
+        again = ModelRunner(model, RuntimeConfig(kernels="reference", expert_parallel=world))
+        assert torch.equal(again.denoise(canvas, kv), logits)
     experts = tuple(model.layers[0].experts_gate_up.shape[:1])
     return {"tokens": out.token_ids, "logits": logits.flatten().tolist(), "experts": experts}
 

@@ -51,6 +51,15 @@ def shard_experts(model: Any, world: int) -> tuple[int, int]:
             f"(launch with torchrun --nproc-per-node {world})"
         )
     lo, hi = expert_range(model.cfg.num_experts, dist.get_rank(), world)
+    held = getattr(model, "expert_shard", None)
+    if (
+        held is not None
+    ):  # a second runner on the model: its stacks are already this share, or another world's
+        if held != (lo, hi):
+            raise ValueError(
+                f"the model keeps experts {held} already; expert_parallel={world} wants {lo, hi}"
+            )
+        return lo, hi
     for layer in model.layers:
         for name in ("experts_gate_up", "experts_down"):
             w = getattr(layer, name)
@@ -59,6 +68,7 @@ def shard_experts(model: Any, world: int) -> tuple[int, int]:
                     "expert parallel runs bf16 or fp32 experts; a quantized pack's are not sharded yet"
                 )
             setattr(layer, name, torch.nn.Parameter(w.data[lo:hi].clone(), requires_grad=False))
+    model.expert_shard = (lo, hi)
     return lo, hi
 
 

@@ -60,9 +60,8 @@ class ModelRunner:
             if self.fast
             else Kernels(topk=self.config.attention_topk)
         )
-        if (
-            self.config.expert_parallel > 1
-        ):  # this rank's experts, the others' summed in (a host read a layer)
+        # expert parallel: this rank's experts, the other ranks' summed in (a host read a layer)
+        if self.config.expert_parallel > 1:
             lo, hi = parallel.shard_experts(model, self.config.expert_parallel)
             model.kernels = parallel.ExpertParallelKernels(model.kernels, lo, hi)
         self.graphs_on = (
