@@ -434,6 +434,11 @@ def serve(
         "--tool-continuation/--no-tool-continuation",
         help="With thinking on, a tool round's next round continues its raw log, reasoning included.",
     ),
+    data_parallel: int = typer.Option(
+        1,
+        "--data-parallel",
+        help="Replicas, one a process (under torchrun --nproc-per-node N), behind one address; ports PORT+1..PORT+N.",
+    ),
 ) -> None:
     """OpenAI-compatible HTTP server."""
     from diffgemma.weights.download import resolve_model
@@ -457,6 +462,7 @@ def serve(
             tool_validate=tool_validate,
             tool_repair=tool_repair,
             tool_continuation=tool_continuation,
+            data_parallel=data_parallel,
         )
 
 

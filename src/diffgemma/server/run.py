@@ -11,7 +11,9 @@ import torch
 from diffgemma.config import SERVE_CONTEXT, ModelConfig, load_runtime_config
 from diffgemma.engine.engine import Engine, load
 from diffgemma.model.kv_cache import cache_bytes, kv_layout, ring_slots
+from diffgemma.runner.parallel import init_from_env
 from diffgemma.server.app import DEFAULT_MAX_CONVERSATIONS, DEFAULT_MAX_QUEUE, create_app
+from diffgemma.server.balance import replica_port, start_in_thread
 from diffgemma.session.registry import SERVE_REWIND_SLACK
 
 log = logging.getLogger("diffgemma.server")
@@ -70,9 +72,12 @@ def serve(
     tool_validate: bool = False,
     tool_repair: bool = False,
     tool_continuation: bool = True,
+    data_parallel: int = 1,
 ) -> None:
     """Serve the model at `model_path` with the OpenAI API until interrupted. The context is `ctx`, at most the
-    model's positions (default SERVE_CONTEXT capped at them), lowered to what memory holds."""
+    model's positions (default SERVE_CONTEXT capped at them), lowered to what memory holds. `data_parallel` N
+    (under torchrun, a process a GPU): each process a replica on loopback port port + 1 + rank, and the first
+    one also the front at host:port (`balance.py`)."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -80,6 +85,16 @@ def serve(
         raise ValueError(
             "serve does not run expert parallel yet (DIFFGEMMA_EXPERT_PARALLEL): bench and the Python API do"
         )
+    front = None
+    if data_parallel > 1:
+        rank, world = init_from_env()
+        if world != data_parallel:
+            raise ValueError(
+                f"serve --data-parallel {data_parallel} runs under torchrun --nproc-per-node {data_parallel}; "
+                f"this is {world} process(es)"
+            )
+        front = (host, port, [replica_port(port, r) for r in range(world)]) if rank == 0 else None
+        host, port = "127.0.0.1", replica_port(port, rank)
     ctx = ModelConfig.from_dir(model_path).context(ctx, SERVE_CONTEXT)
     engine = load(model_path, device=device, dtype=dtype, max_tokens=ctx, threads=threads)
     if engine.runner.fast:
@@ -106,5 +121,12 @@ def serve(
     log.info(
         "KV cache layout: %s", kv_layout(engine.config, ctx, engine.model.dtype, serve_ring(engine, ctx))
     )
+    if data_parallel > 1:
+        torch.distributed.barrier()  # every replica loaded before the front takes connections
+    if front is not None:
+        start_in_thread(*front)
+        log.info(
+            "data parallel: the front at http://%s:%d/v1 over %d replicas", front[0], front[1], len(front[2])
+        )
     log.info("serving %s at http://%s:%d/v1 (context %d)", app.state.model_id, host, port, ctx)
     uvicorn.run(app, host=host, port=port, log_level="info")
