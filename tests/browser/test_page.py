@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 
 import pytest
+
+from tests.live_server import free_port, stop, wait_up
 
 try:  # the openai 3.x client ships httpx as `httpx2`
     import httpx2 as httpx
@@ -35,37 +36,16 @@ pytestmark = pytest.mark.skipif(_missing, reason="needs chromium, chromedriver a
 KEY = "page-test-key"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(*args: str) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "diffgemma.cli", "serve", "--port", str(port), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError("serve exited: " + proc.stderr.read()[-2000:])
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("serve did not come up in 120 s")
-            time.sleep(0.2)
+        wait_up(proc, base)
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, 10)
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,13 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from diffgemma.server.balance import Balancer, replica_port
+from tests.live_server import stop, wait_up
 from tests.server.test_chat import metric
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
@@ -57,17 +57,7 @@ def test_two_replicas_behind_one_front():
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     front = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError("serve exited: " + proc.stderr.read()[-3000:])
-            try:
-                if httpx.get(front + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "serve --data-parallel 2 did not come up in 120 s"
-            time.sleep(0.3)
+        wait_up(proc, front)
         body = {"model": httpx.get(front + "/v1/models").json()["data"][0]["id"], "prompt": "What is 7 + 5?",
                 "max_tokens": 24, "seed": 3, "temperature": 0}  # fmt: skip
         # two clients, each holding its keep-alive connection open: the second goes to the other replica
@@ -84,11 +74,7 @@ def test_two_replicas_behind_one_front():
         ]  # fmt: skip
         assert served == [2, 1]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def test_data_parallel_outside_torchrun_is_one_line():
