@@ -288,9 +288,8 @@ class BenchOptions:
             ns = [x.strip() for x in self.concurrency.split(",") if x.strip()]
             if not ns or not all(x.isdigit() and int(x) > 0 for x in ns):
                 raise ValueError(f"--concurrency takes positive counts like 1,2,4, got {self.concurrency!r}")
-        if (
-            min(self.expert_parallel, self.data_parallel) < 1
-            or min(self.expert_parallel, self.data_parallel) > 1
+        if min(self.expert_parallel, self.data_parallel) < 1 or (
+            self.expert_parallel > 1 and self.data_parallel > 1
         ):
             raise ValueError(
                 "--expert-parallel and --data-parallel take a count of at least 1, and not both above 1 (their "
@@ -720,8 +719,8 @@ def join_ranks(opts: BenchOptions) -> int:
 
 
 def setup(opts: BenchOptions) -> tuple[ModelRunner, dict[str, Any], dict[str, Any]]:
-    """The model on its device, its runner, the config it was built from and the results' header."""
-    opts.check()
+    """The model on its device, its runner, the config it was built from and the results' header (`opts` checked
+    by the caller)."""
     device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, opts.dtype)
     results: dict[str, Any] = {

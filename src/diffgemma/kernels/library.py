@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from diffgemma.kernels import dispatch
-from diffgemma.kernels.torch_ref import gelu_tanh, rows, sum_sorted_pairs, topk_keys
+from diffgemma.kernels.torch_ref import gelu_tanh, keep_top, rows, sum_sorted_pairs, topk_keys
 from diffgemma.quant.formats import FP8_MAX
 from diffgemma.quant.weight import QuantWeight, dense
 
@@ -335,12 +335,7 @@ def _attend_topk(
         return
     if keep is None:
         keep = topk_keys(int(valid))
-    masked = _mask_rows(scores, causal, valid, tail)
-    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(
-        -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
-    )
-    p = torch.softmax(masked.masked_fill(rank >= keep, float("-inf")), dim=-1)
+    p = torch.softmax(keep_top(_mask_rows(scores, causal, valid, tail), keep), dim=-1)
     out.copy_((p @ v.float()).view(out.shape))
 
 

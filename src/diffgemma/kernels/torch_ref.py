@@ -87,14 +87,17 @@ def attention_topk(
     vf = v.float().repeat_interleave(h // hkv, dim=1)
     scores = q.float() @ kf.transpose(-1, -2)  # [1, H, Tq, Tk]
     allowed = torch.ones_like(scores, dtype=torch.bool) if mask is None else mask.expand_as(scores)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    # rank each key in its row by (score descending, index ascending); keep the first `keep`
+    p = torch.softmax(keep_top(scores.masked_fill(~allowed, float("-inf")), keep), dim=-1)
+    return (p @ vf).to(q.dtype)
+
+
+def keep_top(scores: torch.Tensor, keep: int) -> torch.Tensor:
+    """scores with -inf past each row's `keep` best, ranked by (score descending, index ascending): ties at the
+    threshold go to the lower index."""
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
     ranks = torch.arange(order.shape[-1], device=order.device).expand_as(order)
     rank = torch.empty_like(order).scatter_(-1, order, ranks)
-    scores = scores.masked_fill(rank >= keep, float("-inf"))
-    p = torch.softmax(scores, dim=-1)
-    return (p @ vf).to(q.dtype)
+    return scores.masked_fill(rank >= keep, float("-inf"))
 
 
 def rows(x: torch.Tensor) -> torch.Tensor:

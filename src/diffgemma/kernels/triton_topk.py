@@ -52,6 +52,9 @@ def _select_kernel(
     HAS_VALID: tl.constexpr,
     TAIL: tl.constexpr,
     KEEP_FROM_VALID: tl.constexpr,
+    K_DIV: tl.constexpr,
+    K_MIN: tl.constexpr,
+    K_MAX: tl.constexpr,
 ):
     row = tl.program_id(0)
     if TAIL:  # the causal limits count back from the valid columns
@@ -59,8 +62,8 @@ def _select_kernel(
     limit = tl.minimum(n_cols, base + row % period)
     if HAS_VALID:
         limit = tl.minimum(limit, tl.load(valid_ptr))
-    if KEEP_FROM_VALID:  # the seed's k of the keys in all: clamp(valid / 128, 64, 512)
-        keep = tl.minimum(tl.maximum(tl.load(valid_ptr) // 128, 64), 512)
+    if KEEP_FROM_VALID:  # the seed's k of the keys in all (`torch_ref.topk_keys`)
+        keep = tl.minimum(tl.maximum(tl.load(valid_ptr) // K_DIV, K_MIN), K_MAX)
     keep = tl.minimum(keep, limit)
     x_row = x_ptr + row.to(tl.int64) * stride_x
     cols = tl.arange(0, BLOCK)
@@ -166,17 +169,13 @@ def select_rows(
         HAS_VALID=valid is not None,
         TAIL=tail is not None,
         KEEP_FROM_VALID=keep is None,
+        K_DIV=TOPK_DIVISOR,
+        K_MIN=TOPK_MIN,
+        K_MAX=TOPK_MAX,
         num_warps=NUM_WARPS,
     )
     lead = x.shape[:-1]
     return idx.view(*lead, keep_max), p.view(*lead, keep_max), sums.view(lead), counts.view(lead)
-
-
-assert (TOPK_DIVISOR, TOPK_MIN, TOPK_MAX) == (
-    128,
-    64,
-    512,
-)  # the constants _select_kernel reads on the device
 
 
 @triton.jit

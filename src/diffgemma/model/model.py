@@ -310,9 +310,8 @@ class DiffusionGemma(nn.Module):
         return logits if raw else self.kernels.softcap(logits, self.cfg.final_logit_softcapping)
 
     def inv_freq_for(self, layer: Layer, device: torch.device) -> torch.Tensor:
-        lt = (
-            layer.layer_type
-        )  # not cfg.layer_types[layer.idx]: a compiled layer would specialize on each index
+        # layer.layer_type, not cfg.layer_types[layer.idx]: a compiled layer would specialize on each index
+        lt = layer.layer_type
         if self.inv_freq[lt].device != device:  # move once: a host copy cannot sit inside a CUDA graph
             self.inv_freq[lt] = self.inv_freq[lt].to(device)
         return self.inv_freq[lt]

@@ -209,8 +209,7 @@ class Worker:
                     a.request, a.run = request, item
                     self.scheduler.submit(request)
                     return
-                kw = {} if item.on_step is None else {"on_step": item.on_step}
-                value = call(self.pipeline, item.op, item.on_event, cancel=item.cancel, **kw)
+                value = call(self.pipeline, item.op, item.on_event, cancel=item.cancel, on_step=item.on_step)
                 if isinstance(item.op, O.Generate):
                     item.output = self.pipeline.last_output
                 if isinstance(item.op, O.Route):

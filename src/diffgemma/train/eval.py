@@ -1,11 +1,11 @@
 """Evaluate a checkpoint on held-out prompts of each synthetic task, through the engine users run.
 
-Per task: exact-match accuracy of the reply (for question schemas: the share of label slots the scored reads
-answer correctly, `Engine.score`) (the text before the stop token), a task-specific check
+Per task: exact-match accuracy of the reply (the text before the stop token), a task-specific check
 (arithmetic: the result appears; tool calls: the call parses in the tool-call grammar with the expected name and
 arguments), the share of replies that ended on their expected stop token and on `<turn|>`, and the mean number
 of denoising steps per block. Retrieval also reports its exact match on the prompts whose asked line lies beyond
-the sliding window (only the full-attention layers can reach it).
+the sliding window (only the full-attention layers can reach it). Question schemas are answered by scored reads
+(`Engine.score`), as the API answers them: the share of label slots right, and of schemas wholly right.
 """
 
 from __future__ import annotations
