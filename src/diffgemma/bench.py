@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from diffgemma.config import ModelConfig, RuntimeConfig, SamplerConfig
+from diffgemma.config import ModelConfig, SamplerConfig, load_runtime_config
 from diffgemma.model.model import DiffusionGemma
 from diffgemma.runner.devices import set_cpu_threads
 from diffgemma.runner.runner import ModelRunner
@@ -744,13 +744,15 @@ def setup(opts: BenchOptions) -> tuple[ModelRunner, dict[str, Any], dict[str, An
         results["init"] = opts.init
     if device.type == "cpu":
         results["threads"] = set_cpu_threads(model.cfg, opts.threads)
-    runtime = RuntimeConfig(
+    # DIFFGEMMA_* variables apply, as in every command (`DIFFGEMMA_ATTENTION_TOPK=1`: the sparse full layers)
+    runtime = load_runtime_config(
         kernels=opts.kernels,
         compile=opts.compile,
         prefill_chunk=opts.prefill_chunk,
         expert_parallel=opts.expert_parallel,
     )
-    runner = ModelRunner(model, runtime.validated())
+    results["attention_topk"] = runtime.attention_topk
+    runner = ModelRunner(model, runtime)
     if opts.quant:  # the bf16 model's outputs first, then the same weights quantized
         g = torch.Generator().manual_seed(2)
         prompt = torch.randint(0, model.cfg.vocab_size, (1, 512), generator=g).to(device)

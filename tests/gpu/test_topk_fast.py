@@ -39,21 +39,30 @@ def test_triton_top_k_equals_the_reference_at_head_dim_512(n_keys):
 
 @torch.no_grad()
 def test_a_model_on_the_fast_kernels_top_k_is_the_reference_top_k(tiny_a):
+    """Against the reference's top-k in fp32, the fast kernels' in bf16 sit no further than the reference's own in
+    bf16: the tiny random model is chaotic in bf16 (0.22 relative error on an H200, dense or top-k alike), so a
+    fixed tolerance on bf16 against bf16 says nothing."""
     from diffgemma.config import RuntimeConfig
     from diffgemma.runner.runner import ModelRunner
     from diffgemma.weights.loader import load_model
 
-    model = load_model(tiny_a, "cuda", torch.bfloat16)
-    c = model.cfg.canvas_length
-    g = torch.Generator().manual_seed(3)
-    prompt = torch.randint(3, model.cfg.vocab_size, (300,), generator=g).tolist()
-    canvas = torch.randint(3, model.cfg.vocab_size, (1, c), generator=g).cuda()
     logits = {}
-    for kernels in ("reference", "fast"):
+    for kernels, dtype in (
+        ("reference", torch.float32),
+        ("reference", torch.bfloat16),
+        ("fast", torch.bfloat16),
+    ):
+        model = load_model(tiny_a, "cuda", dtype)
+        c = model.cfg.canvas_length
+        g = torch.Generator().manual_seed(3)
+        prompt = torch.randint(3, model.cfg.vocab_size, (300,), generator=g).tolist()
+        canvas = torch.randint(3, model.cfg.vocab_size, (1, c), generator=g).cuda()
         runner = ModelRunner(model, RuntimeConfig(kernels=kernels, attention_topk=True, graphs=False))
         kv = runner.new_cache(1024)
         runner.prefill(prompt, kv)
-        logits[kernels] = runner.denoise(canvas, kv).float()
-    assert _rel(logits["fast"], logits["reference"]) < 2e-2
-    agree = (logits["fast"].argmax(-1) == logits["reference"].argmax(-1)).float().mean()
-    assert agree > 0.95
+        logits[kernels, dtype] = runner.denoise(canvas, kv).float()
+    exact = logits["reference", torch.float32]
+    fast, bf16 = logits["fast", torch.bfloat16], logits["reference", torch.bfloat16]
+    assert _rel(fast, exact) < 1.25 * _rel(bf16, exact)
+    agree = lambda x: (x.argmax(-1) == exact.argmax(-1)).float().mean().item()  # noqa: E731
+    assert agree(fast) >= agree(bf16) - 0.1
