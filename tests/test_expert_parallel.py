@@ -1,5 +1,6 @@
 """Expert parallel (`runner.parallel`, `RuntimeConfig.expert_parallel`) on CPU with gloo: 2 and 4 processes, each
-keeping a share of every layer's experts, give the tokens of one process and its logits bit for bit (fp32)."""
+keeping a share of every layer's experts, the first running the engine and the others following, give the tokens
+of one process and its logits bit for bit (fp32); `serve --expert-parallel 2` answers as one process does."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.multiprocessing as mp
 
 from diffgemma.config import RuntimeConfig, SamplerConfig
 from diffgemma.engine.generate import Turn, drive
-from diffgemma.runner.parallel import expert_range
+from diffgemma.runner.parallel import expert_range, release
 from diffgemma.runner.runner import ModelRunner
 from diffgemma.weights.loader import load_model
 
@@ -40,7 +41,20 @@ def _run(path: Path, world: int) -> dict:
 def _worker(rank: int, world: int, path: str, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
-        Path(out, f"{rank}.json").write_text(json.dumps(_run(Path(path), world)))
+        if rank == 0:
+            result = _run(Path(path), world)
+            release()
+        else:  # this rank's experts for every forward of rank 0's, until it releases the group
+            torch.set_num_threads(1)
+            model = load_model(Path(path), "cpu", torch.float32)
+            runner = ModelRunner(model, RuntimeConfig(kernels="reference", expert_parallel=world))
+            with pytest.raises(RuntimeError, match="serves its experts to rank 0"):
+                runner.denoise(
+                    torch.zeros(1, model.cfg.canvas_length, dtype=torch.long), runner.new_cache(64)
+                )
+            runner.follow()
+            result = {"experts": tuple(model.layers[0].experts_gate_up.shape[:1])}
+        Path(out, f"{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
 
@@ -52,8 +66,9 @@ def test_expert_parallel_gives_the_tokens_and_logits_of_one_process(tiny_a, tmp_
     for rank in range(world):
         got = json.loads((tmp_path / f"{rank}.json").read_text())
         assert got["experts"] == [alone["experts"][0] // world]  # this rank's share of the experts, no more
-        assert got["tokens"] == alone["tokens"] and len(got["tokens"]) > 0
-        assert got["logits"] == alone["logits"]  # bit for bit: each pair's owner's value plus zeros
+    lead = json.loads((tmp_path / "0.json").read_text())
+    assert lead["tokens"] == alone["tokens"] and len(lead["tokens"]) > 0
+    assert lead["logits"] == alone["logits"]  # bit for bit: each pair's owner's value plus zeros
 
 
 def test_expert_parallel_refusals(tiny_a):
@@ -67,17 +82,41 @@ def test_expert_parallel_refusals(tiny_a):
         RuntimeConfig(expert_parallel=0).validated()
 
 
-def test_serve_refuses_expert_parallel_in_one_line():
-    import os
+def test_serve_over_two_expert_parallel_processes_answers_as_one(tiny_a):
+    """`serve --expert-parallel 2` under torchrun (gloo): the first process serves, the second runs its half of the
+    experts; a greedy completion equals a one-process server's."""
     import subprocess
     import sys
 
-    env = {**os.environ, "DIFFGEMMA_EXPERT_PARALLEL": "2"}
+    from tests.live_server import free_port, stop, wait_up
+
+    body = {"prompt": "What is 7 + 5?", "max_tokens": 24, "seed": 3, "temperature": 0}
+    texts = []
+    for launch in (["-m", "torch.distributed.run", "--nproc-per-node", "2"], []):
+        port = free_port()
+        cmd = [sys.executable, *launch, "-m", "diffgemma.cli", "serve", "-m", str(tiny_a), "--port", str(port),
+               "--device", "cpu", "--dtype", "float32"] + (["--expert-parallel", "2"] if launch else [])  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_up(proc, base)
+            import httpx
+
+            model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+            reply = httpx.post(base + "/v1/completions", json={**body, "model": model}, timeout=60).json()
+            texts.append(reply["choices"][0]["text"])
+        finally:
+            stop(proc)
+    assert texts[0] == texts[1] and texts[0]
+
+
+def test_serve_expert_parallel_outside_torchrun_is_one_line():
+    import subprocess
+    import sys
+
     proc = subprocess.run(
-        [sys.executable, "-m", "diffgemma.cli", "serve", "--port", "0"],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    assert proc.returncode != 0 and "serve does not run expert parallel yet" in proc.stderr
+        [sys.executable, "-m", "diffgemma.cli", "serve", "--port", "0", "--expert-parallel", "2", "--device", "cpu"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "torchrun --nproc-per-node 2" in proc.stderr.splitlines()[-1]
     assert [line for line in proc.stderr.splitlines() if "error" in line] == [proc.stderr.splitlines()[-1]]

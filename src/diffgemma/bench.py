@@ -791,11 +791,15 @@ def save(results: dict[str, Any], out: str | None) -> None:
 
 def run(opts: BenchOptions) -> dict[str, Any]:
     """`diffgemma bench`: measure our runner, print the table, write the JSON; returns the results. Under
-    torchrun with --expert-parallel or --data-parallel every rank measures and the first one reports."""
+    torchrun with --data-parallel every rank measures and the first one reports; with --expert-parallel the first
+    one measures while the others run their experts' share of its forwards."""
     opts.check()
     ranks = join_ranks(opts)
     runner, _, results = setup(opts)
     results.update(expert_parallel=opts.expert_parallel, data_parallel=opts.data_parallel, ranks=ranks)
+    if opts.expert_parallel > 1 and torch.distributed.get_rank() > 0:
+        runner.follow()  # rank 0 measures; this rank runs its experts' share of every forward
+        return results
     results["diffgemma"] = measure(
         OursRunner(runner), opts.context_list(), opts, runner.device, ours_need(runner), log
     )
@@ -807,6 +811,10 @@ def run(opts: BenchOptions) -> dict[str, Any]:
         results["schema"] = schema_timing(runner, opts.reps)
     if opts.topk_error:
         results["topk_error"] = topk_error(runner, opts.context_list(), torch.Generator().manual_seed(11))
+    if opts.expert_parallel > 1:
+        from diffgemma.runner.parallel import release
+
+        release()
     if torch.distributed.is_initialized() and torch.distributed.get_rank() > 0:
         return results
     save(results, opts.out)

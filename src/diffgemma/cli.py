@@ -439,6 +439,11 @@ def serve(
         "--data-parallel",
         help="Replicas, one a process (under torchrun --nproc-per-node N), behind one address; ports PORT+1..PORT+N.",
     ),
+    expert_parallel: int = typer.Option(
+        1,
+        "--expert-parallel",
+        help="Processes sharing each layer's experts (under torchrun --nproc-per-node N); the first one serves.",
+    ),
 ) -> None:
     """OpenAI-compatible HTTP server."""
     from diffgemma.weights.download import resolve_model
@@ -463,6 +468,7 @@ def serve(
             tool_repair=tool_repair,
             tool_continuation=tool_continuation,
             data_parallel=data_parallel,
+            expert_parallel=expert_parallel,
         )
 
 

@@ -79,6 +79,13 @@ class ModelRunner:
         self._prefill_pool = None
         self._stage: KVCache | None = None  # where a padded prefill writes K/V before they are copied out
 
+    def follow(self) -> None:
+        """On ranks 1.. of an expert parallel group: serve this rank's experts to rank 0's forwards until rank 0
+        releases the group (`parallel.release`, at its exit if not before). Rank 0 runs the engine."""
+        if not isinstance(self.model.kernels, parallel.ExpertParallelKernels) or self.model.kernels.rank == 0:
+            raise ValueError("follow runs on ranks 1.. of an expert parallel group (expert_parallel > 1)")
+        self.model.kernels.follow(self.model)
+
     @property
     def cfg(self) -> ModelConfig:
         return self.model.cfg

@@ -11,7 +11,7 @@ import torch
 from diffgemma.config import SERVE_CONTEXT, ModelConfig, load_runtime_config
 from diffgemma.engine.engine import Engine, load
 from diffgemma.model.kv_cache import cache_bytes, kv_layout, ring_slots
-from diffgemma.runner.parallel import init_from_env
+from diffgemma.runner.parallel import init_from_env, release
 from diffgemma.server.app import DEFAULT_MAX_CONVERSATIONS, DEFAULT_MAX_QUEUE, create_app
 from diffgemma.server.balance import replica_port, start_in_thread
 from diffgemma.session.registry import SERVE_REWIND_SLACK
@@ -73,30 +73,41 @@ def serve(
     tool_repair: bool = False,
     tool_continuation: bool = True,
     data_parallel: int = 1,
+    expert_parallel: int = 1,
 ) -> None:
     """Serve the model at `model_path` with the OpenAI API until interrupted. The context is `ctx`, at most the
-    model's positions (default SERVE_CONTEXT capped at them), lowered to what memory holds. `data_parallel` N
-    (under torchrun, a process a GPU): each process a replica on loopback port port + 1 + rank, and the first
-    one also the front at host:port (`balance.py`)."""
+    model's positions (default SERVE_CONTEXT capped at them), lowered to what memory holds. Under torchrun, a
+    process a GPU: `data_parallel` N, each process a replica on loopback port port + 1 + rank, and the first one
+    also the front at host:port (`balance.py`); `expert_parallel` N (or DIFFGEMMA_EXPERT_PARALLEL), the first
+    process the server and the others its experts' shares (`runner.parallel`)."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if load_runtime_config().expert_parallel > 1:
-        raise ValueError(
-            "serve does not run expert parallel yet (DIFFGEMMA_EXPERT_PARALLEL): bench and the Python API do"
-        )
-    front = None
-    if data_parallel > 1:
+    runtime = load_runtime_config(expert_parallel=expert_parallel if expert_parallel > 1 else None)
+    if data_parallel > 1 and runtime.expert_parallel > 1:
+        raise ValueError("serve runs --data-parallel or --expert-parallel, not both above 1 (not built)")
+    front, rank = None, 0
+    parallel = max(data_parallel, runtime.expert_parallel)
+    if parallel > 1:
         rank, world = init_from_env()
-        if world != data_parallel:
+        if world != parallel:
+            flag = "--data-parallel" if data_parallel > 1 else "--expert-parallel"
             raise ValueError(
-                f"serve --data-parallel {data_parallel} runs under torchrun --nproc-per-node {data_parallel}; "
-                f"this is {world} process(es)"
+                f"serve {flag} {parallel} runs under torchrun --nproc-per-node {parallel}; this is {world} process(es)"
             )
+    if data_parallel > 1:
         front = (host, port, [replica_port(port, r) for r in range(world)]) if rank == 0 else None
         host, port = "127.0.0.1", replica_port(port, rank)
     ctx = ModelConfig.from_dir(model_path).context(ctx, SERVE_CONTEXT)
-    engine = load(model_path, device=device, dtype=dtype, max_tokens=ctx, threads=threads)
+    engine = load(model_path, device=device, dtype=dtype, max_tokens=ctx, threads=threads, runtime=runtime)
+    if runtime.expert_parallel > 1 and rank > 0:
+        log.info(
+            "expert parallel: rank %d serves experts %s of every layer to rank 0",
+            rank,
+            engine.model.expert_shard,
+        )
+        engine.runner.follow()
+        return
     if engine.runner.fast:
         log.info("warming up: compiling kernels and capturing CUDA graphs before the first request")
         log.info("warm-up done in %.1f s", engine.warm_up())
@@ -128,5 +139,14 @@ def serve(
         log.info(
             "data parallel: the front at http://%s:%d/v1 over %d replicas", front[0], front[1], len(front[2])
         )
+    if runtime.expert_parallel > 1:
+        log.info(
+            "expert parallel: %d processes, experts %s of every layer here",
+            parallel,
+            engine.model.expert_shard,
+        )
     log.info("serving %s at http://%s:%d/v1 (context %d)", app.state.model_id, host, port, ctx)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info")
+    finally:
+        release()  # the expert parallel followers return (nothing without a group)
