@@ -88,6 +88,8 @@ def test_serve_over_two_expert_parallel_processes_answers_as_one(tiny_a):
     import subprocess
     import sys
 
+    import httpx
+
     from tests.live_server import free_port, stop, wait_up
 
     body = {"prompt": "What is 7 + 5?", "max_tokens": 24, "seed": 3, "temperature": 0}
@@ -100,8 +102,6 @@ def test_serve_over_two_expert_parallel_processes_answers_as_one(tiny_a):
         base = f"http://127.0.0.1:{port}"
         try:
             wait_up(proc, base)
-            import httpx
-
             model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
             reply = httpx.post(base + "/v1/completions", json={**body, "model": model}, timeout=60).json()
             texts.append(reply["choices"][0]["text"])

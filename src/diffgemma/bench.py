@@ -704,18 +704,12 @@ def log(msg: str) -> None:
 
 def join_ranks(opts: BenchOptions) -> int:
     """The process group of an --expert-parallel / --data-parallel run (torchrun's); its size, or 1."""
-    from diffgemma.runner.parallel import init_from_env
+    from diffgemma.runner.parallel import join
 
     want = max(opts.expert_parallel, opts.data_parallel)
     if want == 1:
         return 1
-    _, world = init_from_env()
-    if world != want:
-        flag = "--expert-parallel" if opts.expert_parallel > 1 else "--data-parallel"
-        raise ValueError(
-            f"{flag} {want} runs under torchrun --nproc-per-node {want}; this is {world} process(es)"
-        )
-    return world
+    return join(want, "--expert-parallel" if opts.expert_parallel > 1 else "--data-parallel")[1]
 
 
 def setup(opts: BenchOptions) -> tuple[ModelRunner, dict[str, Any], dict[str, Any]]:

@@ -53,6 +53,17 @@ def init_from_env() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def join(processes: int, command: str) -> tuple[int, int]:
+    """`init_from_env` for a command that asks for `processes` of them (`command`: its words, for the error);
+    refuses any other launch in one line. Returns (rank, world size)."""
+    rank, world = init_from_env()
+    if world != processes:
+        raise ValueError(
+            f"{command} {processes} runs under torchrun --nproc-per-node {processes}; this is {world} process(es)"
+        )
+    return rank, world
+
+
 def shard_experts(model: Any, world: int) -> tuple[int, int]:
     """Keep this rank's share of every layer's expert stacks (the rest freed); returns its range [lo, hi)."""
     if not dist.is_initialized() or dist.get_world_size() != world:

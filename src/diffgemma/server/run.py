@@ -11,7 +11,7 @@ import torch
 from diffgemma.config import SERVE_CONTEXT, ModelConfig, load_runtime_config
 from diffgemma.engine.engine import Engine, load
 from diffgemma.model.kv_cache import cache_bytes, kv_layout, ring_slots
-from diffgemma.runner.parallel import init_from_env, release
+from diffgemma.runner.parallel import join, release
 from diffgemma.server.app import DEFAULT_MAX_CONVERSATIONS, DEFAULT_MAX_QUEUE, create_app
 from diffgemma.server.balance import replica_port, start_in_thread
 from diffgemma.session.registry import SERVE_REWIND_SLACK
@@ -89,12 +89,9 @@ def serve(
     front, rank = None, 0
     parallel = max(data_parallel, runtime.expert_parallel)
     if parallel > 1:
-        rank, world = init_from_env()
-        if world != parallel:
-            flag = "--data-parallel" if data_parallel > 1 else "--expert-parallel"
-            raise ValueError(
-                f"serve {flag} {parallel} runs under torchrun --nproc-per-node {parallel}; this is {world} process(es)"
-            )
+        rank, world = join(
+            parallel, "serve --data-parallel" if data_parallel > 1 else "serve --expert-parallel"
+        )
     if data_parallel > 1:
         front = (host, port, [replica_port(port, r) for r in range(world)]) if rank == 0 else None
         host, port = "127.0.0.1", replica_port(port, rank)
