@@ -1,5 +1,5 @@
-"""The two-hop retrieval attention loss (`--lookup-weight`): where it points, that it is the layers' own
-attention, and that training on it moves that attention."""
+"""The two-hop lookup attention loss (`--lookup-weight`): where it points for retrieval and for a schema's choice
+questions, that it is the layers' own attention, and that training on it moves that attention."""
 
 from __future__ import annotations
 
@@ -12,16 +12,20 @@ from tokenizers import Tokenizer
 from diffgemma.kernels import torch_ref
 from diffgemma.train import batches, data, forward, trainer
 from diffgemma.train import checkpoint as ckpt
+from diffgemma.train.tokenizer import WORDS, with_words
 from diffgemma.train.trainer import TrainConfig
 from diffgemma.weights.download import bundled_model
 
 
 def _tok() -> Tokenizer:
-    return Tokenizer.from_file(str(bundled_model() / "tokenizer.json"))
+    """The bundled tokenizer with the demo tasks' words, as a fine-tune from the bundled model has it."""
+    return with_words(Tokenizer.from_file(str(bundled_model() / "tokenizer.json")), WORDS)
 
 
-def _batch(tok: Tokenizer, n: int, seed: int) -> tuple[list[data.Example], batches.Batch]:
-    exs = data.generate(n, seed=seed, tasks={"retrieval_short": 1.0, "arith": 0.5})
+def _batch(
+    tok: Tokenizer, n: int, seed: int, schema: float = 0.0
+) -> tuple[list[data.Example], batches.Batch]:
+    exs = data.generate(n, seed=seed, tasks={"retrieval_short": 1.0, "arith": 0.5, "schema": schema})
     return exs, batches.collate(
         batches.make_batch(tok, exs, random.Random(seed), 32, 0.25, lookups=True), 320
     )
@@ -32,10 +36,11 @@ def test_lookup_points_from_the_answer_slot_to_the_asked_lines_code_word():
     exs, b = _batch(tok, 60, seed=2)
     pointed = 0
     for i, ex in enumerate(exs):
-        slot, key = b.lookup[i].tolist()
+        slot, key, head = b.lookup[i].tolist()
         if ex.task != "retrieval" or slot < 0:  # other tasks; or a split moved the code word into the context
-            assert (slot, key) == (-1, -1)
+            assert (slot, key, head) == (-1, -1, -1)
             continue
+        assert head == batches.LOOKUP_HEADS["retrieval"]
         value = tok.token_to_id("Ġ" + ex.meta["value"])
         assert b.target[i, slot] == value and b.prompt[i, key] == value and b.mask[i, key]
         assert tok.id_to_token(int(b.prompt[i, key - 2])) == "Ġ" + ex.meta["key"]  # "- KEY: WORD"
@@ -51,11 +56,41 @@ def test_lookup_points_from_the_answer_slot_to_the_asked_lines_code_word():
             assert tok.id_to_token(int(b.prompt[i, j - 2]))[1:] in data.ANIMALS + data.OBJECTS
 
 
+def test_a_choice_question_looks_up_its_correct_options_name_which_reads_its_letter():
+    tok = _tok()
+    exs, b = _batch(tok, 80, seed=3, schema=4.0)
+    pointed = 0
+    for i, ex in enumerate(exs):
+        if ex.task != "schema":
+            continue
+        choices = [q for q in ex.meta["schema"]["questions"] if q["type"] == "choice"]
+        # every option name of every choice question is marked, its letter two tokens back
+        marked = b.lines[i].nonzero()[:, 0].tolist()
+        assert len(marked) == sum(len(q["options"]) for q in choices)
+        for j in marked:
+            assert tok.id_to_token(int(b.prompt[i, j - 1])) == ")"
+            assert tok.id_to_token(int(b.prompt[i, j - 2])) in ("ĠA", "ĠB", "ĠC", "ĠD")
+        slot, key, head = b.lookup[i].tolist()
+        if slot < 0:  # no choice question, or a split moved its label into the context
+            assert (slot, key, head) == (-1, -1, -1)
+            continue
+        # the first choice question whose label is on the canvas: its label, and its right option's name
+        label = tok.id_to_token(int(b.target[i, slot]))
+        q = next(q for q in choices if ex.meta["labels"][q["id"]] == label)
+        name = q["options"]["ABCD".index(label)]["name"]
+        assert head == batches.LOOKUP_HEADS["schema"]
+        assert tok.id_to_token(int(b.prompt[i, key])) == "Ġ" + name
+        assert tok.id_to_token(int(b.prompt[i, key - 2])) == "Ġ" + label
+        pointed += 1
+    assert pointed >= 12
+
+
 def test_lookup_nll_is_minus_log_of_the_layers_own_attention(monkeypatch):
     tok = _tok()
     cfg = TrainConfig(out="", preset="tiny")
     model = ckpt.build_model(trainer.model_config(cfg, tok.get_vocab_size()), 0, "cpu")
-    _, b = _batch(tok, 12, seed=4)
+    _, b = _batch(tok, 16, seed=4, schema=1.0)
+    assert set(b.lookup[:, 2].tolist()) == {-1, *batches.LOOKUP_HEADS.values()}
     probs = []
 
     def recording(q, k, v, mask):
@@ -68,12 +103,12 @@ def test_lookup_nll_is_minus_log_of_the_layers_own_attention(monkeypatch):
     monkeypatch.setattr(torch_ref, "attention", recording)
     with torch.no_grad():
         logits, nll = forward.train_forward(model, b.prompt, b.mask, b.target, lookup=b.lookup, lines=b.lines)
-    # hop 2: the last full layer's head 0, from the answer's slot to the asked line's code word
+    # hop 2: the last full layer's head of the row's task, from the answer's slot to the token it reads
     p_full = probs[forward.lookup_layer(model)]  # [B, H, T, T]
     has = b.lookup[:, 0] >= 0
     rows = torch.arange(len(b.lookup))[has]
-    hop2 = -torch.log(p_full[rows, 0, 320 + b.lookup[has, 0], b.lookup[has, 1]]).mean()
-    # hop 1: layer 0's head 1, from every list code word to its key two tokens back
+    hop2 = -torch.log(p_full[rows, b.lookup[has, 2], 320 + b.lookup[has, 0], b.lookup[has, 1]]).mean()
+    # hop 1: layer 0's head 1, from every list code word or option name to its key or letter two tokens back
     bi, ji = b.lines.nonzero(as_tuple=True)
     hop1 = -torch.log(probs[0][bi, 1, ji, ji - 2]).mean()
     assert logits.shape == b.target.shape + (model.cfg.vocab_size,)

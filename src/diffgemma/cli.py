@@ -753,7 +753,9 @@ def train(
         help="Cap retrieval lists at 2 + step // 400 lines before this step (0 = off).",
     ),
     lookup_weight: float = typer.Option(
-        0.0, "--lookup-weight", help="Weight of the two-hop retrieval attention loss (0 = off)."
+        0.0,
+        "--lookup-weight",
+        help="Weight of the two-hop lookup attention loss: retrieval answers, schema choices (0 = off).",
     ),
     time_limit: float = typer.Option(0.0, "--time-limit", help="Stop cleanly after this many seconds."),
     log_every: int = typer.Option(25, "--log-every"),

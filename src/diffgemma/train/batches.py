@@ -40,8 +40,8 @@ class Batch:
     target: torch.Tensor  # [B, C] clean canvas
     weight: torch.Tensor  # [B, C] loss weights
     content: torch.Tensor  # [B, C] True up to and including the stop token
-    lookup: torch.Tensor  # [B, 2] a retrieval answer's code-word slot and its line's code word in the context
-    lines: torch.Tensor  # [B, P] True at a retrieval list's code words (each two tokens after its key)
+    lookup: torch.Tensor  # [B, 3] an answer's slot, the context token it reads, the head (`lookup_pointers`)
+    lines: torch.Tensor  # [B, P] True at a list's values (each two tokens after its key or letter)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.prompt, self.mask, self.target, self.weight, self.content, self.lookup, self.lines)
@@ -111,6 +111,60 @@ def answer_value_token(tok: Tokenizer, ex: data.Example, target) -> int | None:
     return j if target.ids[j] == tok.token_to_id("Ġ" + ex.meta["value"]) else None
 
 
+# The head that each task's lookup is taught on: a retrieval answer matches a code word by the key it carries and
+# reads the word; a choice matches an option by its name and reads the letter it carries.
+LOOKUP_HEADS = {"retrieval": 0, "schema": 1}
+NO_LOOKUP = (-1, -1, -1)
+
+
+def schema_option_tokens(tok: Tokenizer, ex: data.Example, prompt) -> dict[tuple[str, str], int]:
+    """Token index of each choice option's name ("A) Madrid": the name two tokens after its letter), by
+    (question id, name); {} for other tasks."""
+    if ex.task != "schema":
+        return {}
+    out = {}
+    for q in ex.meta["schema"]["questions"]:
+        if q["type"] != "choice":
+            continue
+        at = ex.prompt.index(f"Question {q['id']}:")
+        for letter, opt in zip("ABCDEFGH", q["options"], strict=False):
+            at = ex.prompt.index(f" {letter}) {opt['name']}", at)
+            j = prompt.char_to_token(at + len(f" {letter}) "))
+            ids = (tok.token_to_id("Ġ" + letter), tok.token_to_id("Ġ" + opt["name"]))
+            if j is not None and j >= 2 and (prompt.ids[j - 2], prompt.ids[j]) == ids:
+                out[q["id"], opt["name"]] = j
+    return out
+
+
+def lookup_pointers(
+    tok: Tokenizer, ex: data.Example, prompt, target
+) -> tuple[tuple[int, int, int], list[int]]:
+    """The `--lookup-weight` pointers of one example: (the answer's slot in the target, the context token its
+    lookup reads, the head), `NO_LOOKUP` where there is none; and the context tokens whose key or letter is two
+    tokens back. A retrieval answer reads the asked line's code word; a schema's first choice question reads its
+    right option's name."""
+    if ex.task == "schema":
+        options = schema_option_tokens(tok, ex, prompt)
+        at = 0
+        for q in ex.meta["schema"]["questions"]:
+            label = ex.meta["labels"][q["id"]]
+            slot = at + len(f"{q['id']}:\n")
+            at = slot + len(f"{label}\n")
+            if q["type"] != "choice":
+                continue
+            name = q["options"]["ABCDEFGH".index(label)]["name"]
+            j = target.char_to_token(slot)
+            if (q["id"], name) in options and j is not None and target.ids[j] == tok.token_to_id(label):
+                return (j, options[q["id"], name], LOOKUP_HEADS["schema"]), sorted(options.values())
+        return NO_LOOKUP, sorted(options.values())
+    values = list_value_tokens(tok, ex, prompt)
+    if len(values) == ex.meta.get("n"):  # every line found: values[i] is the asked line's code word
+        answer = answer_value_token(tok, ex, target)
+        if answer is not None:
+            return (answer, values[ex.meta["index"]], LOOKUP_HEADS["retrieval"]), values
+    return NO_LOOKUP, values
+
+
 def make_batch(
     tok: Tokenizer,
     examples: list[data.Example],
@@ -118,9 +172,9 @@ def make_batch(
     canvas: int,
     pad_weight: float,
     lookups: bool = False,
-) -> list[tuple[list[int], list[int], list[float], list[bool], tuple[int, int], list[int]]]:
+) -> list[tuple[list[int], list[int], list[float], list[bool], tuple[int, int, int], list[int]]]:
     """Rows (context, canvas, loss weights, content mask, lookup, list code words); the last two are the
-    `--lookup-weight` pointers, filled only with `lookups` ((-1, -1) and [] otherwise: they cost a third of the
+    `--lookup-weight` pointers, filled only with `lookups` (`NO_LOOKUP` and [] otherwise: they cost a third of the
     batch-building time)."""
     prompts = tok.encode_batch([e.prompt for e in examples], add_special_tokens=False)
     targets = tok.encode_batch([e.target for e in examples], add_special_tokens=False)
@@ -131,12 +185,8 @@ def make_batch(
         ctx = p.ids + t_ids[:s]
         part = t_ids[s : s + canvas]
         n = len(part)
-        values = list_value_tokens(tok, ex, p) if lookups else []
-        look = (-1, -1)
-        if len(values) == ex.meta.get("n"):  # every line found: values[i] is the asked line's code word
-            answer = answer_value_token(tok, ex, t)
-            if answer is not None and 0 <= answer - s < n:
-                look = (answer - s, values[ex.meta["index"]])
+        (slot, *reads), values = lookup_pointers(tok, ex, p, t) if lookups else (NO_LOOKUP, [])
+        look = (slot - s, *reads) if 0 <= slot - s < n else NO_LOOKUP  # the answer on this canvas
         rows.append(
             (
                 ctx,
@@ -154,14 +204,14 @@ def collate(rows, length: int) -> Batch:
     """Rows left-padded to `length` context tokens, as CPU tensors."""
     prompt = torch.zeros(len(rows), length, dtype=torch.long)
     mask = torch.zeros(len(rows), length, dtype=torch.bool)
-    lookup = torch.full((len(rows), 2), -1, dtype=torch.long)
+    lookup = torch.full((len(rows), 3), -1, dtype=torch.long)
     lines = torch.zeros(len(rows), length, dtype=torch.bool)
     for i, r in enumerate(rows):
         pad = length - len(r[0])  # context indices move with the left padding
         prompt[i, pad:] = torch.tensor(r[0])
         mask[i, pad:] = True
         if r[4][0] >= 0:
-            lookup[i] = torch.tensor([r[4][0], r[4][1] + pad])
+            lookup[i] = torch.tensor([r[4][0], r[4][1] + pad, r[4][2]])
         lines[i, [pad + j for j in r[5]]] = True
     return Batch(
         prompt,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
 from diffgemma.config import ModelConfig
 from diffgemma.model.model import DiffusionGemma
@@ -114,6 +115,39 @@ def make_trainable(model: DiffusionGemma) -> DiffusionGemma:
     for lt in model.inv_freq:
         model.inv_freq[lt] = model.inv_freq[lt].to(model.device)
     return model
+
+
+@torch.no_grad()
+def grow_vocab(
+    model: DiffusionGemma, config: dict[str, Any], old: Tokenizer, new: Tokenizer
+) -> tuple[DiffusionGemma, dict[str, Any]]:
+    """`model` and its config with the vocabulary grown to hold `new` (rows to a multiple of 64), when `new`
+    extends `old`. A new token's row copies its spaced twin's ("Ġ" + token) where `old` has one, as a word in a
+    JSON string means what it means after a space; else the mean of the rows of its pieces under `old`. Rows no
+    token uses are random at the trained rows' scale."""
+    rows = -(-new.get_vocab_size() // 64) * 64
+    tc = config.get("text_config", config)
+    if rows <= tc["vocab_size"]:
+        return model, config
+    # rows no token uses drawn at the trained rows' scale: the trainer's noise draws every id, and a zero row's
+    # norm has a huge gradient
+    g = torch.Generator().manual_seed(0)
+    embed = torch.randn(rows, model.cfg.hidden_size, generator=g).to(model.embed) * model.embed.std()
+    embed[: model.cfg.vocab_size] = model.embed
+    known = old.get_vocab()
+    for text, i in new.get_vocab().items():
+        if text in known:
+            continue
+        twin = old.token_to_id("Ġ" + text)
+        pieces = [twin] if twin is not None else old.encode(new.decode([i]), add_special_tokens=False).ids
+        embed[i] = model.embed[pieces].mean(0)
+    config = json.loads(json.dumps(config))
+    config.get("text_config", config)["vocab_size"] = rows
+    grown = DiffusionGemma(ModelConfig.from_dict(config)).to(model.embed.device)
+    state = model.state_dict()
+    state["embed"] = embed
+    grown.load_state_dict(state)
+    return make_trainable(grown), config
 
 
 @torch.no_grad()

@@ -465,6 +465,9 @@ def _yesno(rng: random.Random) -> Example:
 
 KINDS = {"animal": ANIMALS, "fruit": FRUITS, "object": OBJECTS}
 WAIT_LEVELS = ("1 to 3 days", "4 to 6 days", "7 days or more")
+# The schema task's words, one token each in the demo tokenizer: the state's items and cities as its JSON strings
+# show them (no space before), and the kinds as the options show them (after a space).
+SCHEMA_WORDS = tuple(ANIMALS + FRUITS + OBJECTS + CITIES) + tuple(" " + k for k in KINDS)
 
 
 def _schema_questions(rng: random.Random, state: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:

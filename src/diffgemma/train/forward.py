@@ -107,8 +107,8 @@ def train_forward(
 
     Self-conditioning as `model.denoise`: `sc_probs` [B, C, V] (normalised), or `sc_seed` (the canvas's own
     embedding), or neither. Differentiable w.r.t. every parameter that has requires_grad. With `lookup`
-    ([B, 2]) and `lines` ([B, P]) returns (logits, the two hops' attention losses summed): `prev_token_nll` in
-    layer 0 and `lookup_nll` in `lookup_layer`.
+    ([B, 3], `batches.lookup_pointers`) and `lines` ([B, P]) returns (logits, the two hops' attention losses
+    summed): `prev_token_nll` in layer 0 and `lookup_nll` in `lookup_layer`.
     """
     b, p = prompt_ids.shape
     c = canvas_ids.shape[1]
@@ -194,9 +194,10 @@ def lookup_nll(
     n_prompt: int,
     eps: float,
 ) -> torch.Tensor:
-    """Retrieval attention loss: the mean over rows of -log(attention of `layer`'s head 0, from the canvas slot
-    lookup[:, 0] to the context slot lookup[:, 1]), rows with -1 left out. For a retrieval row the two slots are
-    the answer's code word and the asked line's code word, so the loss teaches the head the lookup directly.
+    """The lookup's attention loss: the mean over rows of -log(attention of `layer`'s head lookup[:, 2], from the
+    canvas slot lookup[:, 0] to the context slot lookup[:, 1]), rows with -1 left out. For a retrieval row the
+    slots are the answer's code word and the asked line's code word; for a schema row a choice's label and its
+    correct option's name: the loss teaches the head the lookup directly.
 
     h [B, P + C, hidden] is the layer's input stream (P = `n_prompt`); cos/sin and mask as in `layer_forward`.
     The scores are the layer's own (scale 1), recomputed here for the one query row per example."""
@@ -206,7 +207,9 @@ def lookup_nll(
     has = lookup[:, 0] >= 0
     rows = torch.arange(b, device=h.device)
     qrow = n_prompt + lookup[:, 0].clamp_min(0)
-    scores = torch.einsum("bd,btd->bt", q[rows, 0, qrow].float(), k[:, 0].float())
+    head = lookup[:, 2].clamp_min(0)
+    kv = head // (q.shape[1] // k.shape[1])
+    scores = torch.einsum("bd,btd->bt", q[rows, head, qrow].float(), k[rows, kv].float())
     scores = scores.masked_fill(~mask[rows, 0, qrow], float("-inf"))
     nll = -torch.log_softmax(scores, -1)[rows, lookup[:, 1].clamp_min(0)]
     return torch.where(has, nll, torch.zeros_like(nll)).sum() / has.sum().clamp_min(1)

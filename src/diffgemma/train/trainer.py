@@ -49,7 +49,7 @@ from diffgemma.train import checkpoint as ckpt
 from diffgemma.train import data
 from diffgemma.train.batches import Batch, Prefetcher, task_weights
 from diffgemma.train.forward import train_forward
-from diffgemma.train.tokenizer import LABEL_WORDS, check_special_ids, demo_tokenizer, with_words
+from diffgemma.train.tokenizer import WORDS, check_special_ids, demo_tokenizer, with_words
 from diffgemma.weights.loader import load_model
 
 # The layers through torch.compile on CUDA (fused elementwise work); eager on CPU, where the tests run.
@@ -98,7 +98,7 @@ class TrainConfig:
     init: str = ""  # start from this checkpoint's weights and tokenizer (fine-tuning) instead of a fresh init
     mix: str = ""  # task weights over data.TASK_WEIGHTS, "task=weight,..."
     curriculum_steps: int = 0  # retrieval lists capped at 2 + step // 400 lines before this step (0 = off)
-    lookup_weight: float = 0.0  # weight of the two-hop retrieval attention loss (`forward`); 0 = off
+    lookup_weight: float = 0.0  # weight of the two-hop lookup attention loss (`forward`); 0 = off
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -333,20 +333,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         model_cfg = json.loads((init / "config.json").read_text())
         if "quantization_config" in model_cfg:  # a pack's weights are not trainable parameters
             raise ValueError(f"--init {init} is a quantized pack: fine-tune from a bf16 checkpoint")
-        # the label words added if the init's tokenizer lacks them and the model's vocabulary has room for them
-        with_labels = with_words(tok, LABEL_WORDS)
-        if with_labels.get_vocab_size() <= model_cfg.get("text_config", model_cfg)["vocab_size"]:
-            tok = with_labels
-        else:
-            print(
-                f"no room in the vocabulary for the label words {LABEL_WORDS}: the tokenizer stays as it was"
-            )
+        # the words the demo tasks need as one token each, added if the init's tokenizer lacks them
+        tok, old_tok = with_words(tok, WORDS), tok
         if model_cfg.get("canvas_length") != cfg.canvas_length:
             raise ValueError(
                 f"--init checkpoint has canvas_length {model_cfg.get('canvas_length')}, "
                 f"training uses {cfg.canvas_length}"
             )
         model = ckpt.make_trainable(load_model(init, device, torch.float32))
+        model, model_cfg = ckpt.grow_vocab(model, model_cfg, old_tok, tok)
     else:
         if cfg.resume and tok_path.exists():
             tok = Tokenizer.from_file(str(tok_path))
