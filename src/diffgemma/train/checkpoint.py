@@ -126,8 +126,7 @@ def grow_vocab(
     JSON string means what it means after a space; else the mean of the rows of its pieces under `old`. Rows no
     token uses are random at the trained rows' scale."""
     rows = -(-new.get_vocab_size() // 64) * 64
-    tc = config.get("text_config", config)
-    if rows <= tc["vocab_size"]:
+    if rows <= model.cfg.vocab_size:
         return model, config
     # rows no token uses drawn at the trained rows' scale: the trainer's noise draws every id, and a zero row's
     # norm has a huge gradient

@@ -45,9 +45,9 @@ def demo_tokenizer(corpus: list[str], vocab_size: int = 4096) -> Tokenizer:
 
 def with_words(tok: Tokenizer, words: tuple[str, ...]) -> Tokenizer:
     """`tok` with each word one token after a newline (or a quote, as in a JSON string; a word may start with a
-    space): the merges that join its
-    current pieces, left to right, and their tokens at the next free ids (an existing tokenizer keeps every id it
-    had). Each word's pieces are read with the merges of the words before it, so every word ends as one token."""
+    space): the merges that join its current pieces, left to right, and their tokens at the next free ids (an
+    existing tokenizer keeps every id it had). Each word's pieces are read with the merges of the words before it,
+    so every word ends as one token."""
     data = json.loads(tok.to_str())
     vocab, merges = data["model"]["vocab"], data["model"]["merges"]
     as_lists = bool(merges) and isinstance(merges[0], list)
@@ -64,7 +64,7 @@ def with_words(tok: Tokenizer, words: tuple[str, ...]) -> Tokenizer:
             merges.append([pieces[0], pieces[1]] if as_lists else f"{pieces[0]} {pieces[1]}")
             pieces = [joined, *pieces[2:]]
         tok = Tokenizer.from_str(json.dumps(data))
-    return Tokenizer.from_str(json.dumps(data))
+    return tok
 
 
 def check_special_ids(tok: Tokenizer) -> None:
