@@ -36,11 +36,11 @@ def test_lookup_points_from_the_answer_slot_to_the_asked_lines_code_word():
     exs, b = _batch(tok, 60, seed=2)
     pointed = 0
     for i, ex in enumerate(exs):
-        slot, key, head = b.lookup[i].tolist()
+        slot, key, head, state = b.lookup[i].tolist()
         if ex.task != "retrieval" or slot < 0:  # other tasks; or a split moved the code word into the context
-            assert (slot, key, head) == (-1, -1, -1)
+            assert (slot, key, head, state) == batches.NO_LOOKUP
             continue
-        assert head == batches.LOOKUP_HEADS["retrieval"]
+        assert head == batches.LOOKUP_HEADS["retrieval"] and state == -1
         value = tok.token_to_id("Ġ" + ex.meta["value"])
         assert b.target[i, slot] == value and b.prompt[i, key] == value and b.mask[i, key]
         assert tok.id_to_token(int(b.prompt[i, key - 2])) == "Ġ" + ex.meta["key"]  # "- KEY: WORD"
@@ -70,19 +70,52 @@ def test_a_choice_question_looks_up_its_correct_options_name_which_reads_its_let
         for j in marked:
             assert tok.id_to_token(int(b.prompt[i, j - 1])) == ")"
             assert tok.id_to_token(int(b.prompt[i, j - 2])) in ("ĠA", "ĠB", "ĠC", "ĠD")
-        slot, key, head = b.lookup[i].tolist()
-        if slot < 0:  # no choice question, or a split moved its label into the context
-            assert (slot, key, head) == (-1, -1, -1)
+        slot, key, head, state = b.lookup[i].tolist()
+        if slot < 0 or key < 0:  # no choice question, or a split moved its label into the context
             continue
-        # the first choice question whose label is on the canvas: its label, and its right option's name
+        # the first choice question whose label is on the canvas: its label, its right option's name, and the
+        # state's value that the label depends on
         label = tok.id_to_token(int(b.target[i, slot]))
         q = next(q for q in choices if ex.meta["labels"][q["id"]] == label)
         name = q["options"]["ABCD".index(label)]["name"]
         assert head == batches.LOOKUP_HEADS["schema"]
         assert tok.id_to_token(int(b.prompt[i, key])) == "Ġ" + name
         assert tok.id_to_token(int(b.prompt[i, key - 2])) == "Ġ" + label
+        value = ex.meta["state"][batches.STATE_FIELDS[q["id"]]]
+        assert tok.id_to_token(int(b.prompt[i, state])) == value and b.mask[i, state]
         pointed += 1
     assert pointed >= 12
+
+
+def test_a_schema_label_reads_the_state_value_it_depends_on():
+    tok = _tok()
+    exs, b = _batch(tok, 120, seed=5, schema=4.0)
+    seen = {"choice": 0, "noul": 0}
+    for i, ex in enumerate(exs):
+        slot, key, head, state = b.lookup[i].tolist()
+        if (
+            ex.task != "schema" or slot < 0
+        ):  # other tasks (retrieval's is tested above); a label in the context
+            continue
+        ids = [q["id"] for q in ex.meta["schema"]["questions"]]
+        choices = [q["id"] for q in ex.meta["schema"]["questions"] if q["type"] == "choice"]
+        # the label's slot sits after its question's "id:\n" line (in the context when a split put it there)
+        ids_before = b.prompt[i][b.mask[i]].tolist() + b.target[i, : slot + 1].tolist()
+        line = tok.decode(ids_before, skip_special_tokens=False).split("\n")
+        asked = line[-2].removeprefix("<channel|>").rstrip(":")
+        assert asked in batches.STATE_FIELDS and ex.meta["labels"][asked] == line[-1]
+        if key < 0:  # no choice question: the first question that depends on a state field
+            assert not choices and asked == next(q for q in ids if q in batches.STATE_FIELDS)
+        field = batches.STATE_FIELDS[asked]
+        value = str(ex.meta["state"][field])
+        word = value if isinstance(ex.meta["state"][field], str) else value[-1]
+        assert tok.id_to_token(int(b.prompt[i, state])) == word
+        # the state's token is in the user's JSON: its field name is a few tokens back
+        before = tok.decode(b.prompt[i, state - 6 : state + 1].tolist())
+        quote = '"' if isinstance(ex.meta["state"][field], str) else ""
+        assert before.endswith(f'"{field}": {quote}{value}'), before
+        seen["choice" if key >= 0 else "noul"] += 1
+    assert seen["choice"] >= 10 and seen["noul"] >= 5, seen
 
 
 def test_lookup_nll_is_minus_log_of_the_layers_own_attention(monkeypatch):
@@ -105,15 +138,20 @@ def test_lookup_nll_is_minus_log_of_the_layers_own_attention(monkeypatch):
         logits, nll = forward.train_forward(model, b.prompt, b.mask, b.target, lookup=b.lookup, lines=b.lines)
     # hop 2: the last full layer's head of the row's task, from the answer's slot to the token it reads
     p_full = probs[forward.lookup_layer(model)]  # [B, H, T, T]
-    has = b.lookup[:, 0] >= 0
+    has = (b.lookup[:, 0] >= 0) & (b.lookup[:, 1] >= 0)
     rows = torch.arange(len(b.lookup))[has]
     hop2 = -torch.log(p_full[rows, b.lookup[has, 2], 320 + b.lookup[has, 0], b.lookup[has, 1]]).mean()
+    # the state read: the first full layer, from a schema label's slot to the state's value
+    p_state = probs[forward.state_layer(model)]
+    st = (b.lookup[:, 0] >= 0) & (b.lookup[:, 3] >= 0)
+    srows = torch.arange(len(b.lookup))[st]
+    hop_state = -torch.log(p_state[srows, b.lookup[st, 2], 320 + b.lookup[st, 0], b.lookup[st, 3]]).mean()
     # hop 1: layer 0's head 1, from every list code word or option name to its key or letter two tokens back
     bi, ji = b.lines.nonzero(as_tuple=True)
     hop1 = -torch.log(probs[0][bi, 1, ji, ji - 2]).mean()
     assert logits.shape == b.target.shape + (model.cfg.vocab_size,)
-    assert has.sum() >= 4 and len(bi) >= 40
-    assert torch.allclose(nll, hop1 + hop2, rtol=1e-4, atol=1e-5)
+    assert has.sum() >= 4 and st.sum() >= 2 and len(bi) >= 40
+    assert torch.allclose(nll, hop1 + hop2 + hop_state, rtol=1e-4, atol=1e-5)
 
 
 def test_training_on_the_lookup_loss_moves_the_attention():

@@ -40,7 +40,9 @@ class Batch:
     target: torch.Tensor  # [B, C] clean canvas
     weight: torch.Tensor  # [B, C] loss weights
     content: torch.Tensor  # [B, C] True up to and including the stop token
-    lookup: torch.Tensor  # [B, 3] an answer's slot, the context token it reads, the head (`lookup_pointers`)
+    lookup: (
+        torch.Tensor
+    )  # [B, 4] an answer's slot, the context token it reads, the head, the state token it reads
     lines: torch.Tensor  # [B, P] True at a list's values (each two tokens after its key or letter)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -114,7 +116,10 @@ def answer_value_token(tok: Tokenizer, ex: data.Example, target) -> int | None:
 # The head that each task's lookup is taught on: a retrieval answer matches a code word by the key it carries and
 # reads the word; a choice matches an option by its name and reads the letter it carries.
 LOOKUP_HEADS = {"retrieval": 0, "schema": 1}
-NO_LOOKUP = (-1, -1, -1)
+NO_LOOKUP = (-1, -1, -1, -1)
+# The state field whose value a schema question's label depends on; its slot reads that value in the first full
+# layer, the hop that the last full layer's match of the option needs (the count's last digit for its parity).
+STATE_FIELDS = {"kind": "item", "city": "city", "fruit": "item", "even": "count"}
 
 
 def schema_option_tokens(tok: Tokenizer, ex: data.Example, prompt) -> dict[tuple[str, str], int]:
@@ -136,32 +141,49 @@ def schema_option_tokens(tok: Tokenizer, ex: data.Example, prompt) -> dict[tuple
     return out
 
 
+def schema_state_token(tok: Tokenizer, ex: data.Example, prompt, field: str) -> int:
+    """Token index of the state's value of `field` in the user's JSON (a number's last digit), -1 if not one
+    token there."""
+    value = str(ex.meta["state"][field])
+    at = ex.prompt.rindex(f'"{field}": ')  # the state is the last message
+    at += len(f'"{field}": ') + (1 if isinstance(ex.meta["state"][field], str) else len(value) - 1)
+    j = prompt.char_to_token(at)
+    word = value if isinstance(ex.meta["state"][field], str) else value[-1]
+    return j if j is not None and prompt.ids[j] == tok.token_to_id(word) else -1
+
+
 def lookup_pointers(
     tok: Tokenizer, ex: data.Example, prompt, target
-) -> tuple[tuple[int, int, int], list[int]]:
+) -> tuple[tuple[int, int, int, int], list[int]]:
     """The `--lookup-weight` pointers of one example: (the answer's slot in the target, the context token its
-    lookup reads, the head), `NO_LOOKUP` where there is none; and the context tokens whose key or letter is two
-    tokens back. A retrieval answer reads the asked line's code word; a schema's first choice question reads its
-    right option's name."""
+    lookup reads or -1, the head, the state token it reads first or -1), `NO_LOOKUP` where there is none; and
+    the context tokens whose key or letter is two tokens back. A retrieval answer reads the asked line's code
+    word; a schema's first choice question reads the state's value and its right option's name, and without a
+    choice question the first question with a `STATE_FIELDS` entry reads the state's value."""
     if ex.task == "schema":
         options = schema_option_tokens(tok, ex, prompt)
-        at = 0
+        at, state_only = 0, NO_LOOKUP
         for q in ex.meta["schema"]["questions"]:
             label = ex.meta["labels"][q["id"]]
             slot = at + len(f"{q['id']}:\n")
             at = slot + len(f"{label}\n")
-            if q["type"] != "choice":
-                continue
-            name = q["options"]["ABCDEFGH".index(label)]["name"]
             j = target.char_to_token(slot)
-            if (q["id"], name) in options and j is not None and target.ids[j] == tok.token_to_id(label):
-                return (j, options[q["id"], name], LOOKUP_HEADS["schema"]), sorted(options.values())
-        return NO_LOOKUP, sorted(options.values())
+            if j is None or target.ids[j] != tok.token_to_id(label) or q["id"] not in STATE_FIELDS:
+                continue
+            state = schema_state_token(tok, ex, prompt, STATE_FIELDS[q["id"]])
+            if q["type"] == "choice":
+                name = q["options"]["ABCDEFGH".index(label)]["name"]
+                if (q["id"], name) in options:
+                    pointers = (j, options[q["id"], name], LOOKUP_HEADS["schema"], state)
+                    return pointers, sorted(options.values())
+            elif state >= 0 and state_only == NO_LOOKUP:
+                state_only = (j, -1, LOOKUP_HEADS["schema"], state)
+        return state_only, sorted(options.values())
     values = list_value_tokens(tok, ex, prompt)
     if len(values) == ex.meta.get("n"):  # every line found: values[i] is the asked line's code word
         answer = answer_value_token(tok, ex, target)
         if answer is not None:
-            return (answer, values[ex.meta["index"]], LOOKUP_HEADS["retrieval"]), values
+            return (answer, values[ex.meta["index"]], LOOKUP_HEADS["retrieval"], -1), values
     return NO_LOOKUP, values
 
 
@@ -172,7 +194,7 @@ def make_batch(
     canvas: int,
     pad_weight: float,
     lookups: bool = False,
-) -> list[tuple[list[int], list[int], list[float], list[bool], tuple[int, int, int], list[int]]]:
+) -> list[tuple[list[int], list[int], list[float], list[bool], tuple[int, int, int, int], list[int]]]:
     """Rows (context, canvas, loss weights, content mask, lookup, list code words); the last two are the
     `--lookup-weight` pointers, filled only with `lookups` (`NO_LOOKUP` and [] otherwise: they cost a third of the
     batch-building time)."""
@@ -204,14 +226,17 @@ def collate(rows, length: int) -> Batch:
     """Rows left-padded to `length` context tokens, as CPU tensors."""
     prompt = torch.zeros(len(rows), length, dtype=torch.long)
     mask = torch.zeros(len(rows), length, dtype=torch.bool)
-    lookup = torch.full((len(rows), 3), -1, dtype=torch.long)
+    lookup = torch.full((len(rows), 4), -1, dtype=torch.long)
     lines = torch.zeros(len(rows), length, dtype=torch.bool)
     for i, r in enumerate(rows):
         pad = length - len(r[0])  # context indices move with the left padding
         prompt[i, pad:] = torch.tensor(r[0])
         mask[i, pad:] = True
         if r[4][0] >= 0:
-            lookup[i] = torch.tensor([r[4][0], r[4][1] + pad, r[4][2]])
+            slot, read, head, state = r[4]
+            lookup[i] = torch.tensor(
+                [slot, read + pad if read >= 0 else -1, head, state + pad if state >= 0 else -1]
+            )
         lines[i, [pad + j for j in r[5]]] = True
     return Batch(
         prompt,

@@ -107,8 +107,9 @@ def train_forward(
 
     Self-conditioning as `model.denoise`: `sc_probs` [B, C, V] (normalised), or `sc_seed` (the canvas's own
     embedding), or neither. Differentiable w.r.t. every parameter that has requires_grad. With `lookup`
-    ([B, 3], `batches.lookup_pointers`) and `lines` ([B, P]) returns (logits, the two hops' attention losses
-    summed): `prev_token_nll` in layer 0 and `lookup_nll` in `lookup_layer`.
+    ([B, 4], `batches.lookup_pointers`) and `lines` ([B, P]) returns (logits, the hops' attention losses
+    summed): `prev_token_nll` in layer 0, `lookup_nll` of the state read in `state_layer` and of the lookup in
+    `lookup_layer`.
     """
     b, p = prompt_ids.shape
     c = canvas_ids.shape[1]
@@ -133,15 +134,24 @@ def train_forward(
     eps = model.cfg.rms_norm_eps
     with training_kernels(model, moe):
         for layer in model.layers:
-            if lookup is not None and layer.idx in (0, lookup_layer(model)):
+            if lookup is not None and layer.idx in (0, state_layer(model), lookup_layer(model)):
                 cos, sin = pas.cos_sin(
                     "sliding" if layer.sliding else "full", model.inv_freq_for(layer, h.device), torch.float32
                 )
                 hb = h.view(b, t, -1)
+                mask = masks[layer.sliding]
                 if layer.idx == 0:
-                    nll = nll + prev_token_nll(layer, hb, cos, sin, masks[layer.sliding], lines, eps)
+                    nll = nll + prev_token_nll(layer, hb, cos, sin, mask, lines, eps)
+                # columns of lookup, not an index list: a list is a host-to-device copy, which CUDA-graph capture
+                # refuses
+                if layer.idx == state_layer(model):
+                    nll = nll + lookup_nll(
+                        layer, hb, cos, sin, mask, lookup[:, 0], lookup[:, 3], lookup[:, 2], p, eps
+                    )
                 if layer.idx == lookup_layer(model):
-                    nll = nll + lookup_nll(layer, hb, cos, sin, masks[layer.sliding], lookup, p, eps)
+                    nll = nll + lookup_nll(
+                        layer, hb, cos, sin, mask, lookup[:, 0], lookup[:, 1], lookup[:, 2], p, eps
+                    )
             with precision:
                 h, _ = step(model, layer, h.float() if compiled else h, None, pas, None)
         logits = model.logits(h.view(b, t, -1)[:, p:].reshape(b * c, -1)).view(b, c, -1)
@@ -184,34 +194,42 @@ def lookup_layer(model: DiffusionGemma) -> int:
     return max(i for i in range(model.cfg.num_layers) if not model.cfg.is_sliding(i))
 
 
+def state_layer(model: DiffusionGemma) -> int:
+    """The layer in which a schema label's slot is taught to read the state's value: the first full-attention
+    layer, so that the layers up to `lookup_layer` can turn the value into the option it matches."""
+    return min(i for i in range(model.cfg.num_layers) if not model.cfg.is_sliding(i))
+
+
 def lookup_nll(
     layer: Layer,
     h: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     mask: torch.Tensor,
-    lookup: torch.Tensor,
+    slot: torch.Tensor,
+    read: torch.Tensor,
+    head: torch.Tensor,
     n_prompt: int,
     eps: float,
 ) -> torch.Tensor:
-    """The lookup's attention loss: the mean over rows of -log(attention of `layer`'s head lookup[:, 2], from the
-    canvas slot lookup[:, 0] to the context slot lookup[:, 1]), rows with -1 left out. For a retrieval row the
-    slots are the answer's code word and the asked line's code word; for a schema row a choice's label and its
-    correct option's name: the loss teaches the head the lookup directly.
+    """A lookup's attention loss: the mean over rows of -log(attention of `layer`'s head head[b], from the
+    canvas slot slot[b] to the context slot read[b]), rows with either -1 left out. For a retrieval row the slots
+    are the answer's code word and the asked line's code word; for a schema row a choice's label and its correct
+    option's name (or, in `state_layer`, the state's value): the loss teaches the head the lookup directly.
 
     h [B, P + C, hidden] is the layer's input stream (P = `n_prompt`); cos/sin and mask as in `layer_forward`.
     The scores are the layer's own (scale 1), recomputed here for the one query row per example."""
     b = h.shape[0]
     x = ops.rms_norm(h, layer.input_layernorm, eps)
     q, k = _qk(layer, x, cos, sin, eps)  # [B, H, T, d], [B, Hkv, T, d]
-    has = lookup[:, 0] >= 0
+    has = (slot >= 0) & (read >= 0)
     rows = torch.arange(b, device=h.device)
-    qrow = n_prompt + lookup[:, 0].clamp_min(0)
-    head = lookup[:, 2].clamp_min(0)
+    qrow = n_prompt + slot.clamp_min(0)
+    head = head.clamp_min(0)
     kv = head // (q.shape[1] // k.shape[1])
     scores = torch.einsum("bd,btd->bt", q[rows, head, qrow].float(), k[rows, kv].float())
     scores = scores.masked_fill(~mask[rows, 0, qrow], float("-inf"))
-    nll = -torch.log_softmax(scores, -1)[rows, lookup[:, 1].clamp_min(0)]
+    nll = -torch.log_softmax(scores, -1)[rows, read.clamp_min(0)]
     return torch.where(has, nll, torch.zeros_like(nll)).sum() / has.sum().clamp_min(1)
 
 
