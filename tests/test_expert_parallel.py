@@ -1,6 +1,7 @@
 """Expert parallel (`runner.parallel`, `RuntimeConfig.expert_parallel`) on CPU with gloo: 2 and 4 processes, each
 keeping a share of every layer's experts, the first running the engine and the others following, give the tokens
-of one process and its logits bit for bit (fp32); `serve --expert-parallel 2` answers as one process does."""
+of one process and its logits bit for bit (fp32), an fp8 pack's as well; `serve --expert-parallel 2` answers as one
+process does."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import torch.multiprocessing as mp
 
 from diffgemma.config import RuntimeConfig, SamplerConfig
 from diffgemma.engine.generate import Turn, drive
+from diffgemma.quant import pack
+from diffgemma.quant.weight import QuantWeight
 from diffgemma.runner.parallel import expert_range, release
 from diffgemma.runner.runner import ModelRunner
 from diffgemma.weights.loader import load_model
@@ -69,6 +72,18 @@ def test_expert_parallel_gives_the_tokens_and_logits_of_one_process(tiny_a, tmp_
     lead = json.loads((tmp_path / "0.json").read_text())
     assert lead["tokens"] == alone["tokens"] and len(lead["tokens"]) > 0
     assert lead["logits"] == alone["logits"]  # bit for bit: each pair's owner's value plus zeros
+
+
+def test_a_quantized_pack_under_expert_parallel_gives_the_tokens_of_one_process(tiny_a, tmp_path):
+    packed = pack.quantize(tiny_a, tmp_path / "pack", "fp8", quiet=True)  # int4 needs wider experts
+    alone = _run(packed, 1)
+    assert isinstance(load_model(packed, "cpu", torch.float32).layers[0].experts_down, QuantWeight)
+    mp.spawn(_worker, args=(2, str(packed), str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    for rank in range(2):  # each rank keeps half of every stored tensor: the data and its scales
+        assert json.loads((tmp_path / f"{rank}.json").read_text())["experts"] == [alone["experts"][0] // 2]
+    lead = json.loads((tmp_path / "0.json").read_text())
+    assert lead["tokens"] == alone["tokens"] and len(lead["tokens"]) > 0
+    assert lead["logits"] == alone["logits"]
 
 
 def test_expert_parallel_refusals(tiny_a):

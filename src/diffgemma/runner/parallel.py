@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from diffgemma.kernels.table import Routing
 from diffgemma.model.passes import COMMIT, DENOISE, PREFILL, TRAIN, Pass
+from diffgemma.quant.weight import QuantWeight
 
 # what a call's header codes: its pass phase and its tensors' dtypes
 PHASES = (PREFILL, DENOISE, COMMIT, TRAIN)
@@ -84,11 +85,13 @@ def shard_experts(model: Any, world: int) -> tuple[int, int]:
     for layer in model.layers:
         for name in ("experts_gate_up", "experts_down"):
             w = getattr(layer, name)
-            if not isinstance(w, torch.Tensor):
-                raise ValueError(
-                    "expert parallel runs bf16 or fp32 experts; a quantized pack's are not sharded yet"
-                )
-            setattr(layer, name, torch.nn.Parameter(w.data[lo:hi].clone(), requires_grad=False))
+            if isinstance(
+                w, QuantWeight
+            ):  # a pack's experts: every stored tensor leads with the expert index
+                parts = {s: t[lo:hi].clone() for s, t in w.parts.items()}
+                setattr(layer, name, QuantWeight(w.fmt, (hi - lo, *w.shape[1:]), parts))
+            else:
+                setattr(layer, name, torch.nn.Parameter(w.data[lo:hi].clone(), requires_grad=False))
     model.expert_shard = (lo, hi)
     return lo, hi
 
