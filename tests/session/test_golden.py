@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 import diffgemma
 from diffgemma.cli import app
 from diffgemma.session import golden as G
+from diffgemma.session import oplog
 from diffgemma.session import ops as O
 from diffgemma.session.pipeline import Pipeline, call
 from diffgemma.weights.download import bundled_model
@@ -28,20 +30,60 @@ def test_the_golden_paths_replay_byte_for_byte(demo):
     assert same, line
 
 
+def _fixture_with(tmp_path, edit) -> tuple:
+    """The golden fixture with `edit(records)` applied, written to tmp_path; (path, records)."""
+    records = [json.loads(line) for line in G.FIXTURE.read_text().splitlines()]
+    edit(records)
+    path = tmp_path / "golden.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path, records
+
+
+def _first(records, kind: str) -> int:
+    return next(i for i, r in enumerate(records) if r.get("event", {}).get("type") == kind)
+
+
 def test_golden_names_the_path_and_event_of_a_change(demo, tmp_path):
-    lines = G.FIXTURE.read_text().splitlines()
-    i = next(i for i, line in enumerate(lines) if '"Fingerprint"' in line)
-    rec = json.loads(lines[i])
-    rec["event"]["sha256"] = "0" * 64
-    lines[i] = json.dumps(rec)
-    changed = tmp_path / "golden.jsonl"
-    changed.write_text("\n".join(lines) + "\n")
-    same, line = G.check(demo, changed)
-    assert not same and line.startswith(
-        f"line {i + 1} (short_prompt): event 1 of op KvFingerprint differs: sha256"
+    def changed_reply(records):
+        i = _first(records, "Replied")
+        records[i]["event"]["token_ids"][0] += 1
+
+    path, records = _fixture_with(tmp_path, changed_reply)
+    same, line = G.check(demo, path)
+    i = _first(records, "Replied")
+    assert (
+        not same
+        and line.startswith(f"line {i + 1} (short_prompt): event ")
+        and "token_ids first differs" in line
     )
     res = CliRunner().invoke(app, ["golden"])
     assert res.exit_code == 0 and res.stdout.startswith("identical: 9 session(s)")
+
+
+def test_a_kv_fingerprint_is_compared_on_the_platform_that_recorded_it(demo, tmp_path):
+    def zeroed(platform: str):
+        def edit(records):
+            for r in records:
+                if "header" in r:
+                    r["header"]["platform"] = platform
+            records[_first(records, "Fingerprint")]["event"]["sha256"] = "0" * 64
+
+        return edit
+
+    here = oplog.platform_of(demo)
+    path, records = _fixture_with(tmp_path, zeroed(here))
+    same, line = G.check(demo, path)
+    i = _first(records, "Fingerprint")
+    assert not same and line.startswith(
+        f"line {i + 1} (short_prompt): event 1 of op KvFingerprint differs: sha256"
+    )
+    # recorded elsewhere: the KV bytes may round differently there, the tokens are still compared
+    path, _ = _fixture_with(tmp_path, zeroed("torch 0.0, another machine"))
+    same, line = G.check(demo, path)
+    assert same and line.endswith(
+        f"KV fingerprints not compared (recorded on torch 0.0, another machine, this is {here})"
+    )
+    assert torch.__version__ in here and torch.backends.cpu.get_cpu_capability() in here
 
 
 def _gate(p, prompt: list[int], seed: int) -> None:
