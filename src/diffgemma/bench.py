@@ -22,6 +22,7 @@ import torch
 from diffgemma.config import ModelConfig, SamplerConfig, load_runtime_config
 from diffgemma.model.model import DiffusionGemma
 from diffgemma.runner.devices import set_cpu_threads
+from diffgemma.runner.parallel import join, leave, release
 from diffgemma.runner.runner import ModelRunner
 
 GIB = 1024**3
@@ -704,8 +705,6 @@ def log(msg: str) -> None:
 
 def join_ranks(opts: BenchOptions) -> int:
     """The process group of an --expert-parallel / --data-parallel run (torchrun's); its size, or 1."""
-    from diffgemma.runner.parallel import join
-
     want = max(opts.expert_parallel, opts.data_parallel)
     if want == 1:
         return 1
@@ -793,6 +792,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     results.update(expert_parallel=opts.expert_parallel, data_parallel=opts.data_parallel, ranks=ranks)
     if opts.expert_parallel > 1 and torch.distributed.get_rank() > 0:
         runner.follow()  # rank 0 measures; this rank runs its experts' share of every forward
+        leave()
         return results
     results["diffgemma"] = measure(
         OursRunner(runner), opts.context_list(), opts, runner.device, ours_need(runner), log
@@ -806,11 +806,11 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     if opts.topk_error:
         results["topk_error"] = topk_error(runner, opts.context_list(), torch.Generator().manual_seed(11))
     if opts.expert_parallel > 1:
-        from diffgemma.runner.parallel import release
-
         release()
     if torch.distributed.is_initialized() and torch.distributed.get_rank() > 0:
+        leave()
         return results
     save(results, opts.out)
     print(table(results, opts.context_list()))
+    leave()
     return results

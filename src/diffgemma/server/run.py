@@ -11,7 +11,7 @@ import torch
 from diffgemma.config import SERVE_CONTEXT, ModelConfig, load_runtime_config
 from diffgemma.engine.engine import Engine, load
 from diffgemma.model.kv_cache import cache_bytes, kv_layout, ring_slots
-from diffgemma.runner.parallel import join, release
+from diffgemma.runner.parallel import join, leave, release
 from diffgemma.server.app import DEFAULT_MAX_CONVERSATIONS, DEFAULT_MAX_QUEUE, create_app
 from diffgemma.server.balance import replica_port, start_in_thread
 from diffgemma.session.registry import SERVE_REWIND_SLACK
@@ -104,6 +104,7 @@ def serve(
             engine.model.expert_shard,
         )
         engine.runner.follow()
+        leave()
         return
     if engine.runner.fast:
         log.info("warming up: compiling kernels and capturing CUDA graphs before the first request")
@@ -147,3 +148,5 @@ def serve(
         uvicorn.run(app, host=host, port=port, log_level="info")
     finally:
         release()  # the expert parallel followers return (nothing without a group)
+    if runtime.expert_parallel > 1:
+        leave()
