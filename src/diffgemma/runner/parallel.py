@@ -85,9 +85,8 @@ def shard_experts(model: Any, world: int) -> tuple[int, int]:
     for layer in model.layers:
         for name in ("experts_gate_up", "experts_down"):
             w = getattr(layer, name)
-            if isinstance(
-                w, QuantWeight
-            ):  # a pack's experts: every stored tensor leads with the expert index
+            # a pack's experts: every stored tensor of a QuantWeight leads with the expert index
+            if isinstance(w, QuantWeight):
                 parts = {s: t[lo:hi].clone() for s, t in w.parts.items()}
                 setattr(layer, name, QuantWeight(w.fmt, (hi - lo, *w.shape[1:]), parts))
             else:

@@ -40,9 +40,7 @@ class Batch:
     target: torch.Tensor  # [B, C] clean canvas
     weight: torch.Tensor  # [B, C] loss weights
     content: torch.Tensor  # [B, C] True up to and including the stop token
-    lookup: (
-        torch.Tensor
-    )  # [B, 4] an answer's slot, the context token it reads, the head, the state token it reads
+    lookup: torch.Tensor  # [B, 4] an answer's slot, the token it reads, the head, the state token it reads
     lines: torch.Tensor  # [B, P] True at a list's values (each two tokens after its key or letter)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
