@@ -62,10 +62,10 @@ def _worker(rank: int, world: int, path: str, init: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_expert_parallel_gives_the_tokens_and_logits_of_one_process(tiny_a, tmp_path, world):
-    alone = _run(tiny_a, 1)
-    mp.spawn(_worker, args=(world, str(tiny_a), str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+def _matches_one_process(path: Path, world: int, tmp_path: Path) -> None:
+    """`world` gloo processes on the checkpoint at `path` against one: tokens and logits bit for bit."""
+    alone = _run(path, 1)
+    mp.spawn(_worker, args=(world, str(path), str(tmp_path / "init"), str(tmp_path)), nprocs=world)
     for rank in range(world):
         got = json.loads((tmp_path / f"{rank}.json").read_text())
         assert got["experts"] == [alone["experts"][0] // world]  # this rank's share of the experts, no more
@@ -74,16 +74,15 @@ def test_expert_parallel_gives_the_tokens_and_logits_of_one_process(tiny_a, tmp_
     assert lead["logits"] == alone["logits"]  # bit for bit: each pair's owner's value plus zeros
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_gives_the_tokens_and_logits_of_one_process(tiny_a, tmp_path, world):
+    _matches_one_process(tiny_a, world, tmp_path)
+
+
 def test_a_quantized_pack_under_expert_parallel_gives_the_tokens_of_one_process(tiny_a, tmp_path):
     packed = pack.quantize(tiny_a, tmp_path / "pack", "fp8", quiet=True)  # int4 needs wider experts
-    alone = _run(packed, 1)
     assert isinstance(load_model(packed, "cpu", torch.float32).layers[0].experts_down, QuantWeight)
-    mp.spawn(_worker, args=(2, str(packed), str(tmp_path / "init"), str(tmp_path)), nprocs=2)
-    for rank in range(2):  # each rank keeps half of every stored tensor: the data and its scales
-        assert json.loads((tmp_path / f"{rank}.json").read_text())["experts"] == [alone["experts"][0] // 2]
-    lead = json.loads((tmp_path / "0.json").read_text())
-    assert lead["tokens"] == alone["tokens"] and len(lead["tokens"]) > 0
-    assert lead["logits"] == alone["logits"]
+    _matches_one_process(packed, 2, tmp_path)  # each rank keeps half of every stored tensor: data and scales
 
 
 def test_expert_parallel_refusals(tiny_a):

@@ -142,11 +142,14 @@ def schema_option_tokens(tok: Tokenizer, ex: data.Example, prompt) -> dict[tuple
 def schema_state_token(tok: Tokenizer, ex: data.Example, prompt, field: str) -> int:
     """Token index of the state's value of `field` in the user's JSON (a number's last digit), -1 if not one
     token there."""
-    value = str(ex.meta["state"][field])
-    at = ex.prompt.rindex(f'"{field}": ')  # the state is the last message
-    at += len(f'"{field}": ') + (1 if isinstance(ex.meta["state"][field], str) else len(value) - 1)
+    value = ex.meta["state"][field]
+    key = f'"{field}": '
+    at = ex.prompt.rindex(key) + len(key)  # the state is the last message
+    if isinstance(value, str):
+        word, at = value, at + 1  # after the opening quote
+    else:
+        word, at = str(value)[-1], at + len(str(value)) - 1
     j = prompt.char_to_token(at)
-    word = value if isinstance(ex.meta["state"][field], str) else value[-1]
     return j if j is not None and prompt.ids[j] == tok.token_to_id(word) else -1
 
 

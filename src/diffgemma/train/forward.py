@@ -132,9 +132,10 @@ def train_forward(
             pas.cos_sin("sliding" if layer.sliding else "full", model.inv_freq_for(layer, h.device), dtype)
     nll = torch.zeros((), device=h.device)
     eps = model.cfg.rms_norm_eps
+    reads_state, reads_option = state_layer(model), lookup_layer(model)
     with training_kernels(model, moe):
         for layer in model.layers:
-            if lookup is not None and layer.idx in (0, state_layer(model), lookup_layer(model)):
+            if lookup is not None and layer.idx in (0, reads_state, reads_option):
                 cos, sin = pas.cos_sin(
                     "sliding" if layer.sliding else "full", model.inv_freq_for(layer, h.device), torch.float32
                 )
@@ -144,11 +145,11 @@ def train_forward(
                     nll = nll + prev_token_nll(layer, hb, cos, sin, mask, lines, eps)
                 # columns of lookup, not an index list: a list is a host-to-device copy, which CUDA-graph capture
                 # refuses
-                if layer.idx == state_layer(model):
+                if layer.idx == reads_state:
                     nll = nll + lookup_nll(
                         layer, hb, cos, sin, mask, lookup[:, 0], lookup[:, 3], lookup[:, 2], p, eps
                     )
-                if layer.idx == lookup_layer(model):
+                if layer.idx == reads_option:
                     nll = nll + lookup_nll(
                         layer, hb, cos, sin, mask, lookup[:, 0], lookup[:, 1], lookup[:, 2], p, eps
                     )
