@@ -6,6 +6,8 @@ so the test also pins the checkpoint writer's tensor names and layout.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -135,3 +137,38 @@ def test_compiled_layers_match_eager(models):
         assert (outs[0] - outs[1]).abs().max() <= 1e-4
         assert (grads[0] - grads[1]).abs().max() <= 1e-4 * grads[0].abs().max()
     model.zero_grad()
+
+
+@pytest.mark.parametrize("sc, seed_first", [(False, False), (True, False), (False, True), (True, True)])
+def test_device_flag_choices_match_host_choices(models, sc, seed_first):
+    """The graphed trainer's step takes its self-conditioning choices as device flags (one graph for all of
+    them): its loss and gradients equal the host-choice step's."""
+    from diffgemma.train.batches import Batch
+    from diffgemma.train.trainer import loss_on
+
+    model = models[0]
+    g = torch.Generator().manual_seed(5)
+    b, p, c = 3, 7, 16
+    batch = Batch(
+        torch.randint(3, 512, (b, p), generator=g),
+        torch.ones(b, p, dtype=torch.bool),
+        torch.randint(3, 512, (b, c), generator=g),
+        torch.rand(b, c, generator=g),
+        torch.ones(b, c, dtype=torch.bool),
+        torch.full((b, 4), -1, dtype=torch.long),
+        torch.zeros(b, p, dtype=torch.bool),
+    )
+    results = []
+    for flags in (False, True):
+        choice = (torch.tensor(sc), torch.tensor(seed_first)) if flags else (sc, seed_first)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(11)  # the same corruption for both
+        loss, stats = loss_on(model, batch, *choice, 0.7, contextlib.nullcontext)
+        loss.backward()
+        grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+        results.append((loss.detach(), stats, grads))
+    (l0, s0, g0), (l1, s1, g1) = results
+    assert torch.allclose(l0, l1, atol=1e-6, rtol=1e-6), (l0, l1)
+    assert torch.allclose(s0, s1, atol=1e-6, rtol=1e-6)
+    assert max((a - b).abs().max().item() for a, b in zip(g0, g1, strict=True)) < 1e-6
+    model.zero_grad(set_to_none=True)

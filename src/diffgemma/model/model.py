@@ -254,10 +254,14 @@ class DiffusionGemma(nn.Module):
             soft = emb
         else:
             return ops.rms_norm(emb, None, cfg.rms_norm_eps)
-        x = ops.rms_norm(soft, self.sc_pre_norm, cfg.rms_norm_eps)
+        return self.self_conditioned(emb, soft)
+
+    def self_conditioned(self, emb: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
+        """The canvas's embeddings `emb` plus the SC MLP on the soft signal `soft`, then rms_norm_no_scale."""
+        x = ops.rms_norm(soft, self.sc_pre_norm, self.cfg.rms_norm_eps)
         lin = self.kernels.linear
         sc = lin(ops.gelu_tanh(lin(x, self.sc_gate)) * lin(x, self.sc_up), self.sc_down)
-        return ops.rms_norm(emb + sc, None, cfg.rms_norm_eps)
+        return ops.rms_norm(emb + sc, None, self.cfg.rms_norm_eps)
 
     def soft_embedding(self, probs: torch.Tensor, exact: bool = False) -> torch.Tensor:
         """probs [N, V] @ embed, in the embedding's dtype. By default one GEMM on the probabilities cast to that dtype

@@ -91,13 +91,27 @@ def _qk(layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps
     return (z.view(b, t, z.shape[1], hd).transpose(1, 2) for z in (q, k))
 
 
+def flagged_decoder_input(
+    model: DiffusionGemma, canvas: torch.Tensor, sc_probs: torch.Tensor | None, sc_seed: torch.Tensor
+) -> torch.Tensor:
+    """`model.decoder_input` with the self-conditioning choice on the device, so that one CUDA graph serves every
+    choice: the soft signal is soft_embedding(sc_probs) (all-zero probabilities for none) plus the canvas's
+    embedding where the 0-dim bool `sc_seed` is set. The unchosen term is exactly zero, and so is a zero
+    signal's SC MLP output, so each choice gives `decoder_input`'s values."""
+    emb = model.embed_tokens(canvas)
+    soft = torch.where(sc_seed, emb, torch.zeros_like(emb))
+    if sc_probs is not None:
+        soft = soft + model.soft_embedding(sc_probs) * model.embed_scale(emb.dtype)
+    return model.self_conditioned(emb, soft)
+
+
 def train_forward(
     model: DiffusionGemma,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     canvas_ids: torch.Tensor,
     sc_probs: torch.Tensor | None = None,
-    sc_seed: bool = False,
+    sc_seed: bool | torch.Tensor = False,
     moe: str = "dense",
     compiled: bool = False,
     lookup: torch.Tensor | None = None,
@@ -106,7 +120,8 @@ def train_forward(
     """Softcapped logits [B, C, V] for canvases [B, C] after left-padded prompts [B, P] (mask [B, P]).
 
     Self-conditioning as `model.denoise`: `sc_probs` [B, C, V] (normalised), or `sc_seed` (the canvas's own
-    embedding), or neither. Differentiable w.r.t. every parameter that has requires_grad. With `lookup`
+    embedding), or neither; with `sc_seed` a 0-dim bool tensor, the choice is on the device (`flagged_decoder_input`).
+    Differentiable w.r.t. every parameter that has requires_grad. With `lookup`
     ([B, 4], `batches.lookup_pointers`) and `lines` ([B, P]) returns (logits, the hops' attention losses
     summed): `prev_token_nll` in layer 0, `lookup_nll` of the state read in `state_layer` and of the lookup in
     `lookup_layer`.
@@ -117,7 +132,10 @@ def train_forward(
     pos, masks = positions_and_masks(model, prompt_mask, c)
     enc_in = model.embed_tokens(prompt_ids)
     sc = None if sc_probs is None else sc_probs.reshape(b * c, -1)
-    dec_in = model.decoder_input(canvas_ids.reshape(-1), sc, sc_seed).view(b, c, -1)
+    if isinstance(sc_seed, torch.Tensor):
+        dec_in = flagged_decoder_input(model, canvas_ids.reshape(-1), sc, sc_seed).view(b, c, -1)
+    else:
+        dec_in = model.decoder_input(canvas_ids.reshape(-1), sc, sc_seed).view(b, c, -1)
     h = torch.cat([enc_in.to(dec_in.dtype), dec_in], 1).reshape(b * t, -1)  # [B*T, hidden]
     is_prompt = (torch.arange(t, device=h.device) < p).repeat(b)[:, None]
     pas = Pass.train(pos, t, masks, is_prompt)

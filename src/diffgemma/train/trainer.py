@@ -163,32 +163,37 @@ def hidden_lookups(batch: Batch, noisy: torch.Tensor) -> torch.Tensor:
 def loss_on(
     model,
     batch: Batch,
-    sc: bool,
-    seed_first: bool,
+    sc: bool | torch.Tensor,
+    seed_first: bool | torch.Tensor,
     temp: float | torch.Tensor,
     autocast,
     lookup_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted loss (plus `lookup_weight` x the two-hop lookup attention loss, `forward.lookup_nll`) and,
-    detached, (loss, content_loss, content_acc, lookup_nll); lookup_nll is 0 when the weight is 0."""
+    detached, (loss, content_loss, content_acc, lookup_nll); lookup_nll is 0 when the weight is 0. `sc` and
+    `seed_first` as 0-dim bool tensors: the same step with the choices on the device (the first pass always runs,
+    its probabilities zeroed when self-conditioning is off)."""
     vocab = model.cfg.vocab_size
     noisy = corrupt(batch.target, vocab)
     sc_probs = None
     compiled = COMPILE_ON_CUDA and batch.prompt.is_cuda
+    flags = isinstance(sc, torch.Tensor)
     with autocast():
-        if sc:
+        if flags or sc:
             with torch.no_grad():
                 first = train_forward(
                     model, batch.prompt, batch.mask, noisy, sc_seed=seed_first, compiled=compiled
                 )
                 sc_probs = torch.softmax(first.float() / temp, dim=-1)
+                if flags:
+                    sc_probs = sc_probs * sc
         out = train_forward(
             model,
             batch.prompt,
             batch.mask,
             noisy,
             sc_probs=sc_probs,
-            sc_seed=seed_first and not sc,
+            sc_seed=seed_first & ~sc if flags else seed_first and not sc,
             compiled=compiled,
             lookup=hidden_lookups(batch, noisy) if lookup_weight > 0 else None,
             lines=batch.lines,
@@ -217,7 +222,16 @@ def step_choices(rng: random.Random, cfg: TrainConfig) -> tuple[bool, bool, floa
     return rng.random() < cfg.sc_prob, rng.random() < 0.7, rng.uniform(0.4, 1.0)
 
 
-def step_body(model, opt, micro: list[Batch], sc: bool, seed_first: bool, temp, cfg: TrainConfig, autocast):
+def step_body(
+    model,
+    opt,
+    micro: list[Batch],
+    sc: bool | torch.Tensor,
+    seed_first: bool | torch.Tensor,
+    temp,
+    cfg: TrainConfig,
+    autocast,
+):
     """One optimizer step over device-resident microbatches; returns (loss, content_loss, content_acc,
     lookup_nll, skipped, grad_norm). A step whose gradient is not finite is skipped: no update, zero stats."""
     n_rows = sum(b.prompt.shape[0] for b in micro)
@@ -418,7 +432,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     total = cfg.steps
     t_loop = time.time()
     # A time-limited run's cosine follows elapsed time, so that it fully decays by the limit; its clock starts
-    # once the one-off startup work is done (torch.compile and the four graph captures took ~2 minutes on an
+    # once the one-off startup work is done (torch.compile and the graph capture took ~2 minutes on an
     # H200, which a clock started at the first step spent at the peak learning rate's expense).
     t_sched: float | None = None
     try:
@@ -428,7 +442,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             if cfg.time_limit and now - t_loop > cfg.time_limit:
                 print(f"time limit reached at step {step}", flush=True)
                 break
-            if t_sched is None and (len(graphed.graphs) == 4 if graphs and graphed else step > start):
+            if t_sched is None and (graphed.graph is not None if graphs and graphed else step > start):
                 t_sched = now
                 print(f"startup done after {now - t_loop:.0f}s (step {step})", flush=True)
             progress = None
