@@ -74,10 +74,11 @@ def test_the_template_holds_one_single_token_slot_a_question(tiny_a):
     with pytest.raises(Q.SchemaError, match="more than the canvas"):
         Q.template(many, tok, canvas_length=64)
     text = Q.system_text(schema)
-    assert (
-        "A) billing, B) support, C) engineering (a defect)" in text
-        and "1) calm, 2) annoyed, 3) furious" in text
-    )
+    assert "\nA) billing\nB) support\nC) engineering (a defect)\n" in text
+    assert "\n1) calm\n2) annoyed\n3) furious\n" in text
+    # each option's line starts with the very token its question's slot is scored on
+    ids = tok.encode_text(text)
+    assert all(label in ids for labels in t.labels for label in labels)
 
 
 def test_the_reply_averages_reads_and_reports_their_spread():

@@ -169,12 +169,14 @@ def system_text(schema: Schema) -> str:
         if q.type == "noul":
             line += " Answer yes or no."
         else:
-            opts = ", ".join(
-                f"{label}) {name}" + (f" ({desc})" if desc else "")
-                for label, name, desc in zip(q.labels, q.names, q.descriptions, strict=True)
+            # One option a line: each letter or number starts its line, the token the answer's slot holds
+            line += (
+                " Answer with the letter of one option:"
+                if q.type == "choice"
+                else " Answer with the number of one level:"
             )
-            line += f" {'Options' if q.type == 'choice' else 'Levels'}: {opts}. Answer with the "
-            line += "letter." if q.type == "choice" else "number."
+            for label, name, desc in zip(q.labels, q.names, q.descriptions, strict=True):
+                line += f"\n{label}) {name}" + (f" ({desc})" if desc else "")
         parts.append(line)
     parts.append(
         "Answer in this form, one label a question:\n"

@@ -121,8 +121,8 @@ STATE_FIELDS = {"kind": "item", "city": "city", "fruit": "item", "even": "count"
 
 
 def schema_option_tokens(tok: Tokenizer, ex: data.Example, prompt) -> dict[tuple[str, str], int]:
-    """Token index of each choice option's name ("A) Madrid": the name two tokens after its letter), by
-    (question id, name); {} for other tasks."""
+    """Token index of each choice option's name (its line "A) Madrid": the name two tokens after its letter),
+    by (question id, name); {} for other tasks."""
     if ex.task != "schema":
         return {}
     out = {}
@@ -131,9 +131,9 @@ def schema_option_tokens(tok: Tokenizer, ex: data.Example, prompt) -> dict[tuple
             continue
         at = ex.prompt.index(f"Question {q['id']}:")
         for letter, opt in zip("ABCDEFGH", q["options"], strict=False):
-            at = ex.prompt.index(f" {letter}) {opt['name']}", at)
-            j = prompt.char_to_token(at + len(f" {letter}) "))
-            ids = (tok.token_to_id("Ġ" + letter), tok.token_to_id("Ġ" + opt["name"]))
+            at = ex.prompt.index(f"\n{letter}) {opt['name']}", at)
+            j = prompt.char_to_token(at + len(f"\n{letter}) "))
+            ids = (tok.token_to_id(letter), tok.token_to_id("Ġ" + opt["name"]))
             if j is not None and j >= 2 and (prompt.ids[j - 2], prompt.ids[j]) == ids:
                 out[q["id"], opt["name"]] = j
     return out
