@@ -53,7 +53,12 @@ def test_only_two_messages_of_a_schema_and_a_json_state_are_recognized():
         ({"questions": [SCORE], "samples": 0}, "samples must be"),
         ({"questions": [SCORE], "active": 100}, "active must be a positive multiple of 64"),
         ({"questions": [SCORE], "hole": "zero"}, "hole must be one of"),
-        ({"questions": [SCORE], "climb": True}, "climb (the diagnostic hill climb) is not supported"),
+        ({"questions": [SCORE], "climb": "yes"}, "climb must be true, false or a count"),
+        ({"questions": [SCORE], "climb": 17}, "climb must be true, false or a count"),
+        (
+            {"questions": [SCORE], "climb": True, "climb_mode": "up"},
+            "climb_mode must be one of sweep, steepest",
+        ),
     ],
 )
 def test_invalid_schemas_are_refused_naming_the_question(schema, message):

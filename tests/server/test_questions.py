@@ -93,6 +93,10 @@ def test_engine_score_and_the_cli_give_the_servers_answers_deterministically(eng
     again = engine.score(schema, state, seed=3)
     assert first["answers"] == again["answers"] == served["answers"]  # determinism at a fixed seed
     assert again["diagnostics"]["timing"]["reused_tokens"] > 0
+    climbed = engine.score({**schema, "samples": 1, "climb": 2}, state, seed=3)
+    c = climbed["diagnostics"]["climb"]  # two questions: one read each a round, from the first read's labels
+    assert c["reads"] == 2 * c["rounds"] and 1 <= c["rounds"] <= 2
+    assert c["ratified"] == (list(c["labels"].values()) == climbed["diagnostics"]["samples"]["tops"][0])
     (tmp_path / "schema.json").write_text(json.dumps(schema))
     (tmp_path / "state.json").write_text(json.dumps(state))
     res = CliRunner().invoke(

@@ -15,6 +15,8 @@ from diffgemma.chat.tokenizer import ChatTokenizer
 
 TYPES = ("noul", "choice", "score")
 HOLES = ("noise", "pad", "label")
+CLIMB_MODES = ("sweep", "steepest")
+CLIMB_ROUNDS = 4  # `climb: true`
 CANVAS_ROWS = 64  # `active` is a multiple of this
 
 
@@ -43,6 +45,8 @@ class Schema:
     steps: int = 1
     active: int | None = None
     hole: str = "noise"
+    climb: int = 0  # rounds of the diagnostic hill climb (0: off)
+    climb_mode: str = "sweep"
     seed: int = 0
 
 
@@ -154,9 +158,17 @@ def parse(obj: dict[str, Any], seed: int = 0) -> Schema:
     ):
         raise SchemaError(f"active must be a positive multiple of {CANVAS_ROWS}")
     schema.active = active
-    for name in ("climb", "climb_mode"):
-        if name in obj:
-            raise SchemaError(f"{name} (the diagnostic hill climb) is not supported by this server")
+    climb = obj.get("climb", False)
+    if isinstance(climb, bool):
+        schema.climb = CLIMB_ROUNDS if climb else 0
+    elif isinstance(climb, int) and 0 <= climb <= 16:
+        schema.climb = climb
+    else:
+        raise SchemaError("climb must be true, false or a count of rounds from 0 to 16")
+    mode = obj.get("climb_mode", "sweep")
+    if mode not in CLIMB_MODES:
+        raise SchemaError(f"climb_mode must be one of {', '.join(CLIMB_MODES)}")
+    schema.climb_mode = mode
     return schema
 
 

@@ -4,6 +4,7 @@ A generator of ops, so that the server's worker and `Session.score` run the same
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Generator
 from typing import Any
@@ -66,7 +67,52 @@ def score(
         "denoise_ms": round((time.perf_counter() - t1) * 1e3, 3),
         "reused_tokens": aligned.reused,
     }
-    return answers.reply(schema, {"steps": schema.steps, "hole": schema.hole, "timing": timing})
+    diagnostics = {"steps": schema.steps, "hole": schema.hole, "timing": timing}
+    if schema.climb:
+        diagnostics["climb"] = yield from climb(schema, t, answers.reads[0].probs, vocab, pad)
+    return answers.reply(schema, diagnostics)
+
+
+def _argmax(p: list[float]) -> int:
+    return max(range(len(p)), key=p.__getitem__)
+
+
+def climb(
+    schema: Q.Schema, t: Q.Template, first: list[list[float]], vocab: int, pad: int
+) -> Generator[O.Op, list[O.Event], dict[str, Any]]:
+    """The diagnostic hill climb from the first read's labels: re-read one question's slot (the first read's hole)
+    with every other slot pinned to its current label and move it to that read's argmax. "sweep" moves each
+    question in turn, each seeing the moves before it; "steepest" reads every question from one assignment and
+    moves only the one of largest log-probability gain. It stops when no label moves (`converged`) or after `climb`
+    rounds; `ratified` says whether it ended on the first read's labels. The answers stay those of the reads."""
+    start = [_argmax(p) for p in first]
+    labels, reads, rounds, moved = list(start), 0, 0, True
+    while moved and rounds < schema.climb:
+        rounds, moved, gains = rounds + 1, False, []
+        for qi in range(len(t.slots)):
+            pinned = {k: t.labels[k][j] for k, j in enumerate(labels) if k != qi}
+            (out,) = yield O.Read(fill(schema, t, 0, vocab, pad, pinned), t.slots, t.labels, schema.steps)
+            reads += 1
+            p, best = out.probs[qi], _argmax(out.probs[qi])
+            if best == labels[qi]:
+                continue
+            if schema.climb_mode == "sweep":
+                labels[qi], moved = best, True
+            else:
+                gains.append((math.log(p[best]) - math.log(max(p[labels[qi]], 1e-30)), qi, best))
+        if gains:
+            _, qi, best = max(gains)
+            labels[qi], moved = best, True
+    qs = schema.questions
+    return {
+        "mode": schema.climb_mode,
+        "rounds": rounds,
+        "reads": reads,
+        "labels": {q.id: q.labels[j] for q, j in zip(qs, labels, strict=True)},
+        "moved": [q.id for q, a, b in zip(qs, start, labels, strict=True) if a != b],
+        "converged": not moved,
+        "ratified": labels == start,
+    }
 
 
 def prepare(
