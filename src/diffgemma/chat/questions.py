@@ -256,6 +256,10 @@ class ReadResult:
     argmax_is_label: list[bool]
 
 
+def argmax(p: list[float]) -> int:
+    return max(range(len(p)), key=p.__getitem__)
+
+
 def label_entropy(p: list[float]) -> float:
     return -sum(x * math.log(x) for x in p if x > 0)
 
@@ -271,8 +275,8 @@ class Answers:
         for qi, q in enumerate(schema.questions):
             reads = [r.probs[qi] for r in self.reads]
             mean = [sum(r[j] for r in reads) / n for j in range(len(q.labels))]
-            top = max(range(len(mean)), key=lambda j: mean[j])
-            picked = [max(range(len(r)), key=lambda j: r[j]) for r in reads]
+            top = argmax(mean)
+            picked = [argmax(r) for r in reads]
             for ri, j in enumerate(picked):
                 tops[ri].append(q.labels[j])
             std = math.sqrt(sum((r[top] - mean[top]) ** 2 for r in reads) / (n - 1)) if n > 1 else 0.0

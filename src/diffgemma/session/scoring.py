@@ -57,7 +57,7 @@ def score(
                 n = schema.auto_max
                 if schema.fix_definite:  # the later reads condition on the settled answers
                     pinned = {
-                        qi: t.labels[qi][max(range(len(p)), key=p.__getitem__)]
+                        qi: t.labels[qi][Q.argmax(p)]
                         for qi, (p, ok) in enumerate(zip(out.probs, settled, strict=True))
                         if ok
                     }
@@ -73,10 +73,6 @@ def score(
     return answers.reply(schema, diagnostics)
 
 
-def _argmax(p: list[float]) -> int:
-    return max(range(len(p)), key=p.__getitem__)
-
-
 def climb(
     schema: Q.Schema, t: Q.Template, first: list[list[float]], vocab: int, pad: int
 ) -> Generator[O.Op, list[O.Event], dict[str, Any]]:
@@ -85,7 +81,7 @@ def climb(
     question in turn, each seeing the moves before it; "steepest" reads every question from one assignment and
     moves only the one of largest log-probability gain. It stops when no label moves (`converged`) or after `climb`
     rounds; `ratified` says whether it ended on the first read's labels. The answers stay those of the reads."""
-    start = [_argmax(p) for p in first]
+    start = [Q.argmax(p) for p in first]
     labels, reads, rounds, moved = list(start), 0, 0, True
     while moved and rounds < schema.climb:
         rounds, moved, gains = rounds + 1, False, []
@@ -93,7 +89,7 @@ def climb(
             pinned = {k: t.labels[k][j] for k, j in enumerate(labels) if k != qi}
             (out,) = yield O.Read(fill(schema, t, 0, vocab, pad, pinned), t.slots, t.labels, schema.steps)
             reads += 1
-            p, best = out.probs[qi], _argmax(out.probs[qi])
+            p, best = out.probs[qi], Q.argmax(out.probs[qi])
             if best == labels[qi]:
                 continue
             if schema.climb_mode == "sweep":
