@@ -139,7 +139,7 @@ class Engine:
         on_commit = None if on_block is None else lambda _turn, kept: on_block(kept)
         return self.parse(drive(turn, on_step, cancel, on_commit))
 
-    def score(self, schema: dict[str, Any], state: Any, seed: int = 0) -> dict[str, Any]:
+    def score(self, schema: dict[str, Any], state: Any, seed: int = 42) -> dict[str, Any]:
         """Answer a question schema about `state` by scored reads (`diffgemma.Session.score`, on a conversation the
         engine keeps, so that the schema's prefix is reused by the next state)."""
         from diffgemma.session.client import Session

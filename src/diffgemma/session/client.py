@@ -103,7 +103,7 @@ class Session:
         out.reused_tokens = reused
         return self.engine.parse(out)
 
-    def score(self, schema: dict[str, Any], state: Any, seed: int = 0) -> dict[str, Any]:
+    def score(self, schema: dict[str, Any], state: Any, seed: int = 42) -> dict[str, Any]:
         """Answer a question schema (`chat.questions`: the JSON object of a schema request's system message) about
         `state` by scored reads; returns the reply object. The schema's prefix stays cached for the next state."""
         tok = self.engine._need_tokenizer()
