@@ -419,7 +419,29 @@ def serve(
     ctx: int | None = typer.Option(
         None, "--ctx", help=f"Context per conversation (default {SERVE_CONTEXT}, at most the model's)."
     ),
-    api_key: str | None = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY'."),
+    api_key: str | None = typer.Option(
+        None,
+        "--api-key",
+        help="Require 'Authorization: Bearer KEY' (or --api-key-file, or DIFFGEMMA_API_KEY).",
+    ),
+    api_key_file: Path | None = typer.Option(
+        None,
+        "--api-key-file",
+        help="Read the API key from this file's first line (kept off the command line).",
+    ),
+    allowed_host: list[str] | None = typer.Option(
+        None, "--allowed-host", help="A further Host name clients may use (repeatable; '*': any)."
+    ),
+    allow_origin: list[str] | None = typer.Option(
+        None,
+        "--allow-origin",
+        help="A web origin allowed cross-origin requests, with CORS (repeatable; '*': any).",
+    ),
+    shutdown_grace: float = typer.Option(
+        10.0,
+        "--shutdown-grace",
+        help="Seconds replies in flight run on after SIGTERM before they are cancelled.",
+    ),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests waiting beyond this get 503."),
     log_dir: Path | None = typer.Option(
         None, "--log-dir", help="Write the JSONL request log and op log (ops.jsonl: diffgemma replay) here."
@@ -469,6 +491,10 @@ def serve(
             tool_continuation=tool_continuation,
             data_parallel=data_parallel,
             expert_parallel=expert_parallel,
+            api_key_file=api_key_file,
+            allowed_hosts=allowed_host or (),
+            allow_origins=allow_origin or (),
+            shutdown_grace=shutdown_grace,
         )
 
 

@@ -356,6 +356,16 @@ _FIELDS = {
     **{f.name: ("sampler", f) for f in fields(SamplerConfig)},
     **{f.name: ("runtime", f) for f in fields(RuntimeConfig)},
 }
+# Not a config field: serve's API key (`--api-key`'s fallback, so the key need not be in the process list).
+API_KEY_ENV = ENV_PREFIX + "API_KEY"
+
+
+def env_api_key(environ: dict[str, str] | None = None) -> str | None:
+    """`DIFFGEMMA_API_KEY`: None where unset; an empty value raises (a server meant to have a key would have none)."""
+    raw = (os.environ if environ is None else environ).get(API_KEY_ENV)
+    if raw is not None and not raw.strip():
+        raise ConfigError(f"{API_KEY_ENV} is set but empty")
+    return raw.strip() if raw is not None else None
 
 
 def _parse_env_value(name: str, raw: str, typ: Any) -> Any:
@@ -392,9 +402,11 @@ def env_overrides(kind: str, environ: dict[str, str] | None = None) -> dict[str,
     for name, raw in env.items():
         if not name.startswith(ENV_PREFIX):
             continue
+        if name == API_KEY_ENV:  # serve reads it (env_api_key)
+            continue
         key = name[len(ENV_PREFIX) :].lower()
         if key not in _FIELDS:
-            known = ", ".join(sorted(ENV_PREFIX + k.upper() for k in _FIELDS))
+            known = ", ".join(sorted([API_KEY_ENV, *(ENV_PREFIX + k.upper() for k in _FIELDS)]))
             raise ConfigError(f"unknown environment variable {name}; known: {known}")
         owner, f = _FIELDS[key]
         value = _parse_env_value(name, raw, f.type)

@@ -160,7 +160,11 @@ def test_request_log(server, client) -> None:
     lines = [json.loads(line) for line in log_dir.read_text().splitlines()]
     last = [x for x in lines if x["request"].get("user") == "log-me"][-1]
     assert last["status"] == 200 and last["usage"]["completion_tokens"] > 0 and last["route"] == "chat"
-    httpx.post(server.base + "/v1/chat/completions", content=b"{oops")
+    httpx.post(
+        server.base + "/v1/chat/completions",
+        content=b"{oops",
+        headers={"Content-Type": "application/json"},
+    )
     error = json.loads(log_dir.read_text().splitlines()[-1])
     assert error["status"] == 400 and "JSON" in error["error"]
 

@@ -18,6 +18,7 @@ from tests.server.conftest import CTX, MODEL, ServerThread
 
 OK_MSG = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"
+JSON = {"Content-Type": "application/json"}  # bodies sent as bytes name their type (else 415)
 
 
 def chat(**fields: Any) -> bytes:
@@ -34,13 +35,13 @@ def test_unknown_fields_are_ignored(small_server) -> None:
     body = chat(
         frequency_penalty=0.5, logit_bias={"1": 2}, user="u", metadata={"a": "b"}, top_p=0.3, temperature=0
     )
-    r = httpx.post(small_server.base + CHAT, content=body, timeout=30)
+    r = httpx.post(small_server.base + CHAT, content=body, headers=JSON, timeout=30)
     assert r.status_code == 200
 
 
 def test_api_key(engine) -> None:
     with ServerThread(create_app(engine, ctx=CTX, api_key="s3cret")) as srv:
-        r = httpx.post(srv.base + CHAT, content=chat())
+        r = httpx.post(srv.base + CHAT, content=chat(), headers=JSON)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         bad = httpx.get(srv.base + "/v1/models", headers={"Authorization": "Bearer nope"})
         assert bad.status_code == 401
@@ -62,7 +63,7 @@ def test_full_queue_is_a_503_with_retry_after(engine, monkeypatch) -> None:
         results: list[int] = []
 
         def post() -> None:
-            results.append(httpx.post(srv.base + CHAT, content=chat(), timeout=30).status_code)
+            results.append(httpx.post(srv.base + CHAT, content=chat(), headers=JSON, timeout=30).status_code)
 
         first = threading.Thread(target=post)
         first.start()
@@ -72,7 +73,7 @@ def test_full_queue_is_a_503_with_retry_after(engine, monkeypatch) -> None:
         second.start()
         while srv.app.state.worker.depth < 2:  # the second one fills the queue
             time.sleep(0.01)
-        third = httpx.post(srv.base + CHAT, content=chat(), timeout=30)
+        third = httpx.post(srv.base + CHAT, content=chat(), headers=JSON, timeout=30)
         assert third.status_code == 503 and third.headers["retry-after"] == "1"
         assert third.json()["error"]["code"] == "server_overloaded"
         gate.set()

@@ -98,7 +98,8 @@ def test_headers_and_openapi(engine) -> None:
         assert r.status_code == 405 and r.headers["allow"] == "POST"
         r = httpx.post(srv.base + CHAT, json={})
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
-        spec = httpx.get(srv.base + "/openapi.json").json()
+        assert httpx.get(srv.base + "/openapi.json").status_code == 401  # behind the key (issue 56)
+        spec = httpx.get(srv.base + "/openapi.json", headers={"Authorization": "Bearer k"}).json()
         assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= set(spec["paths"])
 
 

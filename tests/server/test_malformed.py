@@ -476,9 +476,10 @@ def test_there_are_enough_cases() -> None:
 
 
 def answers(http: httpx.Client) -> tuple[Any, Any]:
-    a = http.post(CHAT, content=chat(max_tokens=12, seed=9)).json()["choices"][0]["message"]["content"]
-    b = http.post(COMP, content=comp(max_tokens=12, seed=9)).json()["choices"][0]["text"]
-    return a, b
+    json_type = {"content-type": "application/json"}
+    a = http.post(CHAT, content=chat(max_tokens=12, seed=9), headers=json_type).json()
+    b = http.post(COMP, content=comp(max_tokens=12, seed=9), headers=json_type).json()
+    return a["choices"][0]["message"]["content"], b["choices"][0]["text"]
 
 
 def test_malformed_requests(small_server) -> None:

@@ -1,18 +1,22 @@
-"""The OpenAI-compatible HTTP API: routes, auth, body limit, errors, metrics and the request log."""
+"""The OpenAI-compatible HTTP API: routes, auth, the Host and Origin checks, body limit, errors, metrics and the
+request log."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
 import jinja2.exceptions
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -50,6 +54,8 @@ DEFAULT_MAX_BODY = 8 << 20
 DRAIN_LIMIT = 64 << 20  # read (and drop) an oversized body up to this, so the client sees the 413
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
 POLL_SECONDS = 0.25  # how often a non-streaming request checks that its client is still there
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")  # the names every server answers to
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # a bind address that listens on every interface
 
 
 def route_label(path: str) -> str:
@@ -89,6 +95,93 @@ class _MetricsMiddleware:
             self.metrics.latency.observe(time.perf_counter() - started, route=route)
 
 
+def host_name(value: str) -> str:
+    """The name in a Host header or a host option ("Name:8080", "[::1]:8080", "::1"), lower case, without port,
+    brackets or a trailing dot."""
+    value = value.strip().lower()
+    if value.startswith("["):  # [v6] or [v6]:port
+        return value[1 : value.find("]")] if "]" in value else value
+    if value.count(":") == 1:  # name:port (a bare v6 address has more than one colon)
+        value = value.split(":", 1)[0]
+    return value.rstrip(".")
+
+
+def served_names(host: str | None, allowed_hosts: Iterable[str]) -> frozenset[str] | None:
+    """The Host names a server bound to `host` answers: loopback's, `host` and `allowed_hosts`; None (any) where
+    it listens on every interface and no names are given, or `*` is one of them."""
+    allowed = [host_name(h) for h in allowed_hosts]
+    if "*" in allowed or (not allowed and host is not None and host_name(host) in WILDCARD_HOSTS):
+        return None
+    names = {*LOOPBACK_NAMES, *allowed}
+    if host is not None and host_name(host) not in WILDCARD_HOSTS:
+        names.add(host_name(host))
+    return frozenset(names)
+
+
+def _netloc(origin: str) -> str | None:
+    """An Origin's host[:port] as a Host header carries it (lower case, no default port); None if not http(s)."""
+    scheme, sep, rest = origin.strip().lower().partition("://")
+    if not sep or scheme not in ("http", "https") or not rest:
+        return None
+    rest = rest.rstrip("/")
+    default = ":80" if scheme == "http" else ":443"
+    return rest.removesuffix(default)
+
+
+class _GuardMiddleware:
+    """Refuses what a web page the user opens could send to this server: a Host it does not serve (DNS rebinding:
+    400) and a cross-origin request (an Origin neither this server's own nor listed: 403). Plain ASGI, ahead of the
+    routes, so a refused request reaches neither the routes nor the request log."""
+
+    def __init__(
+        self, app: Any, names: frozenset[str] | None, origins: frozenset[str], metrics: Metrics
+    ) -> None:
+        self.app = app
+        self.names = names
+        self.origins = origins
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        wanted = {b"host": "host", b"origin": "origin"}
+        headers = {wanted[k]: v.decode("latin-1") for k, v in scope.get("headers", ()) if k in wanted}
+        host = headers.get("host")
+        refusal = None
+        # no Host at all (HTTP/1.0) is let through: a browser, what this check is about, always sends one
+        if self.names is not None and host is not None and host_name(host) not in self.names:
+            refusal = APIError(
+                400,
+                f"the Host {host!r} is not a name this server answers to (serve --allowed-host NAME adds one)",
+                code="host_not_allowed",
+            )
+        origin = headers.get("origin")
+        if refusal is None and origin is not None and not self._allowed(origin, host):
+            refusal = APIError(
+                403,
+                f"a cross-origin request from {origin!r} is refused (serve --allow-origin ORIGIN allows one)",
+                code="origin_not_allowed",
+            )
+        if refusal is None:
+            return await self.app(scope, receive, send)
+        self.metrics.refused.inc(reason=refusal.code or "")
+        await refusal.response()(scope, receive, send)
+
+    def _allowed(self, origin: str, host: str | None) -> bool:
+        """Same origin (the Origin's host and port are the Host's; the scheme is not compared, so that a TLS proxy
+        in front keeps the page working) or listed."""
+        if "*" in self.origins or origin.strip().lower().rstrip("/") in self.origins:
+            return True
+        netloc = _netloc(origin)
+        return netloc is not None and host is not None and netloc == host.strip().lower()
+
+
+def json_media_type(value: str | None) -> bool:
+    """`application/json` or a `+json` type, charset or other parameters allowed."""
+    media = (value or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 PAGE_DIR = Path(__file__).resolve().parents[1] / "assets" / "page"
 PAGE_TYPES = {
     "index.html": "text/html; charset=utf-8",
@@ -118,22 +211,57 @@ def create_app(
     tool_validate: bool = False,
     tool_repair: bool = False,
     tool_continuation: bool = True,
+    host: str | None = None,
+    allowed_hosts: Iterable[str] = (),
+    allow_origins: Iterable[str] = (),
 ) -> FastAPI:
     """An app serving `engine` with a context of `ctx` tokens a conversation (default: the engine's; at most the
-    model's positions). Its worker thread starts and stops with the app's lifespan."""
+    model's positions). Its worker thread starts and stops with the app's lifespan. Requests must name a Host among
+    loopback's names, `host` (the bind address) and `allowed_hosts` (any Host where `host` is a wildcard and none is
+    listed), and come from no browser page but the server's own or those of `allow_origins` (`*`: any), which get
+    CORS headers."""
     model_id = model_id or model_id_of(engine)
     ctx = engine.config.context(ctx or engine.max_tokens, engine.max_tokens)
     # every op and event to log_dir/ops.jsonl (`diffgemma replay`), the tool stages around it
     ops_log = Path(log_dir) / "ops.jsonl" if log_dir else None
-    pipeline = stages(Pipeline(engine, ctx, max_conversations), ops_log, tool_validate, tool_repair)
+    base = Pipeline(engine, ctx, max_conversations)
+    try:
+        pipeline = stages(base, ops_log, tool_validate, tool_repair)
+    except OSError as exc:  # a read-only directory: serve without that journal, not refuse to start
+        log.warning("op log %s cannot be opened (%s); serving without it", ops_log, exc.strerror or exc)
+        ops_log = None
+        pipeline = stages(base, None, tool_validate, tool_repair)
     registry = pipeline.registry
     tool_rounds = ToolRounds(keep=2 * max_conversations) if tool_continuation else None
     worker: Worker
     metrics = Metrics(queue_depth=lambda: worker.depth, conversations=lambda: len(registry))
     worker = Worker(pipeline, max_queue, on_forward=lambda n: metrics.batch_size.observe(n))
-    request_log = RequestLog(log_dir) if log_dir else None
+    request_log = None
+    if log_dir:
+        try:
+            request_log = RequestLog(log_dir)
+        except OSError as exc:
+            log.warning(
+                "request log in %s cannot be opened (%s); serving without it", log_dir, exc.strerror or exc
+            )
     tok = engine.tokenizer
     max_pos = engine.config.max_position_embeddings
+    # every request's cancel token, so that a shutdown past its grace ends the replies still running cleanly
+    # (each turn stops at its next step, its reply finishing "cancelled"); weak, as a token lives as its request
+    in_flight: weakref.WeakSet[CancelToken] = weakref.WeakSet()
+
+    def new_cancel() -> CancelToken:
+        token = CancelToken()
+        in_flight.add(token)
+        return token
+
+    def cancel_in_flight() -> int:
+        """Cancel every request still running; how many there were."""
+        running = [t for t in list(in_flight) if not t.cancelled]
+        for token in running:
+            token.cancel()
+        return len(running)
+
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -148,7 +276,8 @@ def create_app(
             if ops_log is not None:
                 pipeline.close()
 
-    app = FastAPI(title="diffgemma", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # /openapi.json is a route of ours below, behind the key
+    app = FastAPI(title="diffgemma", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     default_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -159,16 +288,26 @@ def create_app(
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    app.add_middleware(_MetricsMiddleware, metrics=metrics)
+    origins = frozenset(o.strip().lower().rstrip("/") for o in allow_origins)
+    if origins:  # innermost of the three: the guard has refused the other origins before it
+        app.add_middleware(
+            CORSMiddleware, allow_origins=sorted(origins), allow_methods=["*"], allow_headers=["*"]
+        )
+    app.add_middleware(
+        _GuardMiddleware, names=served_names(host, allowed_hosts), origins=origins, metrics=metrics
+    )
+    app.add_middleware(_MetricsMiddleware, metrics=metrics)  # outermost: refusals are counted too
     app.state.registry, app.state.worker, app.state.metrics = registry, worker, metrics
     app.state.pipeline = pipeline
+    app.state.cancel_in_flight = cancel_in_flight
     app.state.op_log_path = ops_log
     app.state.model_id, app.state.ctx = model_id, ctx
     app.state.request_log_path = request_log.path if request_log is not None else None
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        if request_log is not None:
+        # not a 401: a client without the key must not fill the disk (they are counted in /metrics instead)
+        if request_log is not None and exc.status != 401:
             request_log.write({"route": request.url.path, "status": exc.status, "error": exc.message})
         return exc.response()
 
@@ -188,6 +327,7 @@ def create_app(
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            metrics.unauthorized.inc(route=route_label(request.url.path))
             raise APIError(
                 401,
                 "invalid or missing API key (send 'Authorization: Bearer KEY')",
@@ -197,6 +337,14 @@ def create_app(
             )
 
     async def read_json(request: Request) -> dict[str, Any]:
+        kind = request.headers.get("content-type")
+        if not json_media_type(kind):  # a form or text/plain is what a cross-site page can send unasked
+            raise APIError(
+                415,
+                "the body must be JSON, sent as 'Content-Type: application/json'; got "
+                + (repr(kind) if kind is not None else "no Content-Type"),
+                code="unsupported_media_type",
+            )
         length = request.headers.get("content-length", "")
         too_big = APIError(
             413, f"request body is larger than {max_body_bytes} bytes", code="request_too_large"
@@ -294,6 +442,9 @@ def create_app(
                 if await request.is_disconnected():
                     cancel.cancel()
                 continue
+            except asyncio.CancelledError:  # the server shutting down past its grace: stop the turn too
+                cancel.cancel()
+                raise
             if isinstance(event, Failed):
                 raise event.error
             if isinstance(event, Done):
@@ -371,7 +522,7 @@ def create_app(
         check_auth(request)
         body = await read_json(request)
         req = parse_chat(body, model_id, engine.sampler)
-        channel, cancel = Channel(), CancelToken()
+        channel, cancel = Channel(), new_cancel()
         schema = Q.recognize(req.messages) if tok is not None else None
         if schema is not None:  # a question schema: scored forwards, no generated text
             submit(await run_in_threadpool(question_job, req, *schema, channel, cancel))
@@ -395,7 +546,7 @@ def create_app(
         body = await read_json(request)
         req = parse_completion(body, model_id, engine.sampler)
         ids, max_new = await run_in_threadpool(completion_prompt, req)
-        channel, cancel = Channel(), CancelToken()
+        channel, cancel = Channel(), new_cancel()
         submit(CompletionJob(req, ids, max_new, tok, metrics, channel, cancel))
         rid = R.new_id("cmpl")
         if req.stream:
@@ -446,6 +597,11 @@ def create_app(
             "queue_depth": worker.depth,
             "conversations": len(registry),
         }
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_document(request: Request) -> Any:
+        check_auth(request)  # the routes and their fields are the key holder's to read
+        return JSONResponse(await run_in_threadpool(app.openapi))
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Any:

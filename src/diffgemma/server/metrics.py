@@ -112,6 +112,12 @@ class Metrics:
     def __init__(self, queue_depth: Callable[[], float], conversations: Callable[[], float]) -> None:
         lock = threading.Lock()
         self.requests = Counter("diffgemma_requests", "HTTP requests by route and status code", lock)
+        self.unauthorized = Counter(
+            "diffgemma_unauthorized_requests", "Requests without the API key, by route (not journalled)", lock
+        )
+        self.refused = Counter(
+            "diffgemma_refused_requests", "Requests refused by the Host or Origin check, by reason", lock
+        )
         self.prompt_tokens = Counter("diffgemma_prompt_tokens", "Prompt tokens of finished generations", lock)
         self.cached_tokens = Counter(
             "diffgemma_cached_prompt_tokens", "Prompt tokens whose KV was reused instead of prefilled", lock

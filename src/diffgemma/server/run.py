@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import signal
+import stat
+import threading
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from diffgemma.config import SERVE_CONTEXT, ModelConfig, load_runtime_config
+from diffgemma.config import API_KEY_ENV, SERVE_CONTEXT, ModelConfig, env_api_key, load_runtime_config
 from diffgemma.engine.engine import Engine, load
 from diffgemma.model.kv_cache import cache_bytes, kv_layout, ring_slots
 from diffgemma.runner.parallel import join, leave, release
@@ -19,6 +25,33 @@ from diffgemma.session.registry import SERVE_REWIND_SLACK
 log = logging.getLogger("diffgemma.server")
 
 MEMORY_SHARE = 0.8  # of the memory free after loading, what the conversations' KV caches may take
+DEFAULT_SHUTDOWN_GRACE = 10.0  # seconds in-flight replies may run on after SIGTERM before they are cancelled
+CANCEL_MARGIN = 5.0  # after the grace, how long cancelled replies get to end before uvicorn kills their tasks
+
+
+def resolve_api_key(
+    api_key: str | None, api_key_file: str | Path | None, environ: dict[str, str] | None = None
+) -> str | None:
+    """The key: `api_key`, else the first line of `api_key_file`, else DIFFGEMMA_API_KEY; None for none. The file
+    and the variable keep it out of the process list, where any local user reads a command line."""
+    if api_key is not None and api_key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if api_key_file is not None:
+        path = Path(api_key_file)
+        lines = path.read_text(encoding="utf-8").strip().splitlines()
+        if not lines or not lines[0].strip():
+            raise ValueError(f"--api-key-file {path} is empty")
+        if stat.S_IMODE(path.stat().st_mode) & 0o077:
+            log.warning("--api-key-file %s is readable by other users (chmod 600 it)", path)
+        return lines[0].strip()
+    if api_key is not None:
+        if not api_key.strip():
+            raise ValueError("--api-key is empty")
+        return api_key
+    key = env_api_key(environ)
+    if key is not None:
+        log.info("API key from %s", API_KEY_ENV)
+    return key
 
 
 def serve_ring(engine: Engine, ctx: int) -> int:
@@ -57,6 +90,36 @@ def plan_memory(engine: Engine, ctx: int, max_conversations: int) -> tuple[int, 
     return ctx, conversations
 
 
+def graceful_server(app: Any, grace: float, **options: Any) -> Any:
+    """A uvicorn server of `app` whose shutdown (SIGTERM, SIGINT) stops accepting at once, lets the replies in flight
+    run `grace` seconds, then cancels those left through their tokens (`app.state.cancel_in_flight`): each ends at
+    its next denoise step with finish_reason "cancelled". uvicorn's own timeout, CANCEL_MARGIN later, kills any
+    task still there."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            timer = asyncio.get_running_loop().call_later(grace, self.past_grace)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+        def past_grace(self) -> None:
+            n = app.state.cancel_in_flight()
+            if n:
+                log.warning(
+                    "shutdown: %d replies still running after the %g s grace; cancelling them", n, grace
+                )
+
+    config = uvicorn.Config(app, timeout_graceful_shutdown=grace + CANCEL_MARGIN, **options)
+    return Server(config)
+
+
+def _after_shutdown(signum: int, frame: object) -> None:
+    """SIGTERM once uvicorn has shut down (or in the instant before it takes the signal): nothing left to do."""
+
+
 def serve(
     model_path: str | Path,
     host: str = "127.0.0.1",
@@ -74,15 +137,23 @@ def serve(
     tool_continuation: bool = True,
     data_parallel: int = 1,
     expert_parallel: int = 1,
+    api_key_file: str | Path | None = None,
+    allowed_hosts: Iterable[str] = (),
+    allow_origins: Iterable[str] = (),
+    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
 ) -> None:
     """Serve the model at `model_path` with the OpenAI API until interrupted. The context is `ctx`, at most the
     model's positions (default SERVE_CONTEXT capped at them), lowered to what memory holds. Under torchrun, a
     process a GPU: `data_parallel` N, each process a replica on loopback port port + 1 + rank, and the first one
     also the front at host:port (`balance.py`); `expert_parallel` N (or DIFFGEMMA_EXPERT_PARALLEL), the first
-    process the server and the others its experts' shares (`runner.parallel`)."""
-    import uvicorn
-
+    process the server and the others its experts' shares (`runner.parallel`). The key is `resolve_api_key`'s;
+    `allowed_hosts` and `allow_origins` are `create_app`'s. On SIGTERM the server stops accepting, lets the
+    replies in flight run `shutdown_grace` seconds more, cancels those left and returns."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if shutdown_grace < 0:
+        raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {shutdown_grace}")
+    api_key = resolve_api_key(api_key, api_key_file)
+    public_host = host  # the name clients reach (a data parallel replica listens on loopback)
     runtime = load_runtime_config(expert_parallel=expert_parallel if expert_parallel > 1 else None)
     if data_parallel > 1 and runtime.expert_parallel > 1:
         raise ValueError("serve runs --data-parallel or --expert-parallel, not both above 1 (not built)")
@@ -121,6 +192,9 @@ def serve(
         tool_validate=tool_validate,
         tool_repair=tool_repair,
         tool_continuation=tool_continuation,
+        host=public_host,
+        allowed_hosts=allowed_hosts,
+        allow_origins=allow_origins,
     )
     log.info(
         "KV caches: %d conversations of %d tokens (%.2f GiB each), one running turn each, their canvases in shared "
@@ -144,9 +218,18 @@ def serve(
             engine.model.expert_shard,
         )
     log.info("serving %s at http://%s:%d/v1 (context %d)", app.state.model_id, host, port, ctx)
+    # uvicorn shuts down on SIGTERM and then raises it again under the handler it found; a handler that returns,
+    # so that serve returns and the process exits 0 (the default one would kill it, status 143)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _after_shutdown) if main else None
     try:
-        uvicorn.run(app, host=host, port=port, log_level="info")
+        server = graceful_server(app, shutdown_grace, host=host, port=port, log_level="info")
+        server.run()
+        if not server.started:  # as uvicorn.run: the port taken, say (uvicorn has logged why)
+            raise SystemExit(3)
     finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
         release()  # the expert parallel followers return (nothing without a group)
     if runtime.expert_parallel > 1:
         leave()

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
-import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,9 +26,8 @@ from diffgemma.engine.engine import Engine
 from diffgemma.engine.generate import CancelToken, StepInfo
 from diffgemma.session import ops as O
 from diffgemma.session import pipeline as pipeline_module
+from diffgemma.session.journal import JournalFile
 from diffgemma.session.pipeline import Emit, Pipeline, sampler_fields
-
-FILE_MODE = 0o600
 
 
 def model_identity(path: Path | None) -> str:
@@ -96,19 +93,14 @@ class OpLog:
     def __init__(self, inner: Pipeline, path: str | Path, label: str | None = None) -> None:
         self.inner = inner
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
-        if stat.S_IMODE(os.fstat(fd).st_mode) != FILE_MODE:
-            os.fchmod(fd, FILE_MODE)
-        self._file = os.fdopen(fd, "a", encoding="utf-8")
+        # whole lines, each one write; one that fails (a full disk) is dropped with a warning, never the request's
+        self._file = JournalFile(self.path, "op log")
         self._lock = threading.Lock()
         self._seq = 0
         self._write({"header": {**header(inner), **({"label": label} if label else {})}})
 
     def _write(self, record: dict[str, Any]) -> None:
-        with self._lock:
-            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-            self._file.flush()
+        self._file.write(json.dumps(record, separators=(",", ":")))
 
     def _op(self, op: O.Op, emit: Emit) -> Emit:
         """Log op with the next sequence number; the emit that logs its events under that number."""
@@ -139,8 +131,7 @@ class OpLog:
         self.inner.cancel()
 
     def close(self) -> None:
-        with self._lock:
-            self._file.close()
+        self._file.close()
 
     def __getattr__(self, name: str) -> Any:  # the pipeline's state (active, last_output, registry, ...)
         return getattr(self.inner, name)
