@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from diffgemma.engine.generate import drive
+from diffgemma.session import ops as O
+from diffgemma.session import registry as R
+from diffgemma.session.conversation import common_prefix
+from diffgemma.session.pipeline import Pipeline, call, collector
 from diffgemma.session.registry import Registry, copy_prefix
 from tests.server.conftest import CTX
 
@@ -90,3 +95,60 @@ def test_a_full_pool_salvages_a_long_prefix_in_place_and_re_prefills_the_rest(en
     assert z is x and two.decision == "salvage"
     w = two.route(a[:40] + engine.tokenizer.encode(" elsewhere"))  # a short prefix: a copy into the LRU slot
     assert w is y and two.decision == "fork"
+
+
+def _served_turn(p, ids: list[int], seed: int, max_new: int = 12) -> tuple[list[int], str]:
+    """One request as the server runs it (Route, AlignTo, Generate, Finalize): the reply's tokens and its route."""
+    (routed,) = call(p, O.Route(ids))
+    (aligned,) = call(p, O.AlignTo(ids))
+    reply = call(p, O.Generate(ids[aligned.reused :], seed, max_new))[-1]
+    call(p, O.Finalize(ids + reply.token_ids))
+    return reply.token_ids, routed.route
+
+
+def _solo(engine, ids: list[int], seed: int, max_new: int = 12) -> list[int]:
+    """The reply to `ids` on a pipeline of its own (nothing cached)."""
+    return _served_turn(Pipeline(engine, CTX, max_conversations=1), ids, seed, max_new)[0]
+
+
+def test_a_fork_of_the_only_idle_conversation_cuts_it_instead_of_evicting_its_own_source(engine) -> None:
+    """Issue 57 item 10: four slots, three held by running turns, and a request whose best route is a fork of the
+    fourth (the least recently used, the only idle one). The fork's copy must not go into the slot it copies from
+    (evicted first, it had no prefix left: 'cannot truncate to N: cache holds 0 positions'); the request gets the
+    reply of its solo run, and so do the three held turns."""
+    system = "You are a terse assistant for the harbour office; answer in one short line. "
+    prompts = [_ids(engine, system + q) for q in ("Tides?", "Ferries?", "Cranes?", "Berths?")]
+    p = Pipeline(engine, CTX, max_conversations=4)
+    for i, ids in enumerate(prompts):  # A, B, C, D cached; A the least recently used
+        _served_turn(p, ids, seed=i)
+    conv_a = p.registry.conversations[0]
+    assert len(p.registry) == 4 and common_prefix(conv_a.log, prompts[0]) == len(prompts[0])
+
+    # Three long requests, one continuing each of B, C, D, hold their conversations (begun, not yet driven).
+    held = []
+    for conv in p.registry.conversations[1:]:
+        follow = list(conv.log) + engine.tokenizer.encode("<|turn>user\nAnd tomorrow?<turn|>\n<|turn>model\n")
+        call(p, O.Route(follow))
+        assert p.active is conv and p.registry.decision == "continue"
+        events: list[O.Event] = []
+        request = p.begin_generate(O.Generate(follow[len(conv.log) :], 7, 24), collector(events, None))
+        assert request is not None
+        held.append((follow, request, events))
+    assert p.registry.idle() == [conv_a]
+
+    x = _ids(engine, system + "Pilots?")  # shares the system prompt with A (a fork of it), diverges after
+    shared = common_prefix(conv_a.log, x)
+    assert R.MIN_FORK_TOKENS <= shared < R.SALVAGE_MIN_PREFIX and shared < len(x)
+    got, route = _served_turn(p, x, seed=9)
+    assert (
+        route == "salvage" and p.active is conv_a
+    )  # the fork's source is the only slot that can go: cut in place
+    assert conv_a.log[: len(x)] == x
+    p.registry.check()
+    assert got == _solo(engine, x, seed=9)
+
+    for follow, request, events in held:  # the held turns end as their solo runs do
+        drive(request.turn, request.on_step, request.cancel, request.on_commit)
+        p.end_generate(request)
+        assert events[-1].token_ids == _solo(engine, follow, seed=7, max_new=24)
+    p.registry.check()

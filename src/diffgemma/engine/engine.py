@@ -29,6 +29,10 @@ from diffgemma.weights.loader import load_model
 Prompt = list[int] | torch.Tensor | str | list[dict[str, Any]]
 
 
+class ContextOverflow(ValueError):
+    """A prompt (or canvas) that does not fit what the context leaves: the request's size, not the server's state."""
+
+
 class Engine:
     def __init__(
         self,
@@ -162,7 +166,7 @@ class Engine:
         scheduler, a budget of tokens a step); refuses a prompt that does not fit."""
         cfg = cfg or self.sampler
         if kv.length + len(prompt_ids) >= kv.max_tokens:
-            raise ValueError(
+            raise ContextOverflow(
                 f"prompt of {len(prompt_ids)} tokens does not fit the context ({kv.length}/{kv.max_tokens} used)"
             )
         if not prompt_ids and kv.length == 0:

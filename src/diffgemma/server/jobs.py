@@ -19,6 +19,7 @@ from diffgemma.chat import questions as Q
 from diffgemma.chat.parser import BadCall, Content, Event, Reasoning, StreamParser, ToolCall, coalesce
 from diffgemma.chat.tokenizer import ChatTokenizer
 from diffgemma.config import SamplerConfig
+from diffgemma.engine.engine import ContextOverflow
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo, TokenLogprob
 from diffgemma.server.errors import APIError
 from diffgemma.server.metrics import Metrics
@@ -212,7 +213,7 @@ class _Base:
             op = O.Generate(ids[aligned.reused :], seed, max_tokens, fields, logprobs)
             gen = Run(op, on_event, cancel, on_step=on_step)
             yield gen
-        except ValueError as exc:  # the engine's own checks (context) after the server's
+        except ContextOverflow as exc:  # the engine's context checks after the server's; the rest: a 500
             raise APIError(400, str(exc), code="context_length_exceeded") from None
         out = gen.output
         assert out is not None
@@ -548,7 +549,7 @@ class QuestionJob(_Base):
                 break
             try:
                 events = yield Run(op)
-            except ValueError as exc:  # the context's checks after the server's
+            except ContextOverflow as exc:  # the context's checks after the server's; anything else is a 500
                 raise APIError(400, str(exc), code="context_length_exceeded") from None
         self._first_block()
         self.channel.put(Delta("content", json.dumps(reply, ensure_ascii=False)))

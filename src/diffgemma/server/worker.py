@@ -21,7 +21,7 @@ from diffgemma.engine.batch import Request, Scheduler
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo
 from diffgemma.server.errors import APIError
 from diffgemma.session import ops as O
-from diffgemma.session.pipeline import call, collector
+from diffgemma.session.pipeline import call, collector, failure
 
 log = logging.getLogger("diffgemma.server")
 
@@ -204,7 +204,7 @@ class Worker:
                         item.op, collector(a.events, item.on_event), on_step=item.on_step, cancel=item.cancel
                     )
                     if request is None:
-                        exc = ValueError(a.events[-1].message)
+                        exc = failure(a.events[-1])  # a context refusal stays one (the job's 400)
                         continue
                     a.request, a.run = request, item
                     self.scheduler.submit(request)

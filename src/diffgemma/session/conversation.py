@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from diffgemma.engine.engine import Engine
+from diffgemma.engine.engine import ContextOverflow, Engine
 from diffgemma.engine.generate import GenerateOutput
 from diffgemma.model.kv_cache import REWIND_SLACK, ring_slots
 
@@ -53,7 +53,9 @@ class Conversation:
     def generate(self, ids: list[int], **kwargs: Any) -> GenerateOutput:
         """Generate a reply to the full prompt `ids`, prefilling only what the cache lacks."""
         if len(ids) + 1 > self.kv.max_tokens:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit the context of {self.kv.max_tokens}")
+            raise ContextOverflow(
+                f"prompt of {len(ids)} tokens does not fit the context of {self.kv.max_tokens}"
+            )
         reused = self.sync(ids)
         try:
             out = self.engine.generate(ids[reused:], kv=self.kv, **kwargs)

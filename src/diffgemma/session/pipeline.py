@@ -15,7 +15,7 @@ import torch
 
 from diffgemma.config import SamplerConfig
 from diffgemma.engine.batch import Request
-from diffgemma.engine.engine import Engine
+from diffgemma.engine.engine import ContextOverflow, Engine
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo, TokenLogprob, Turn, drive
 from diffgemma.engine.generate import prefill as prompt_prefill
 from diffgemma.engine.rng import Rng
@@ -24,6 +24,20 @@ from diffgemma.session.conversation import Conversation, common_prefix
 from diffgemma.session.registry import Registry, prefill
 
 Emit = Callable[[O.Event], None]
+
+# Failed.kind of an op refused for the size of what it asked (ContextOverflow): the request's doing. Any other kind is
+# the caller's use of the ops (or the pipeline's own state) going wrong, which a server must not blame on its client.
+CONTEXT = "context"
+
+
+def failed(e: Exception) -> O.Failed:
+    """The `Failed` event of an op that raised `e`: its kind says whether the request's size caused it."""
+    return O.Failed(str(e), CONTEXT if isinstance(e, ContextOverflow) else "error")
+
+
+def failure(event: O.Failed) -> ValueError:
+    """The exception a `Failed` event stands for on the caller's side (`failed` backwards)."""
+    return ContextOverflow(event.message) if event.kind == CONTEXT else ValueError(event.message)
 
 
 @dataclasses.dataclass
@@ -129,7 +143,7 @@ class Pipeline:
         try:
             self._handlers[type(op)](op, emit, on_step=step, cancel=token)
         except (ValueError, RuntimeError) as e:
-            emit(O.Failed(str(e)))
+            emit(failed(e))
         finally:
             for conv in self.registry.conversations:
                 self._lineage(conv)
@@ -182,7 +196,7 @@ class Pipeline:
         """Extend the active cache by ids; a failure empties it (never a half-written cache)."""
         conv = self._conv()
         if conv.kv.length + len(ids) > conv.max_tokens - 1:
-            raise ValueError(
+            raise ContextOverflow(
                 f"{len(ids)} tokens do not fit the context ({conv.kv.length}/{conv.max_tokens} used)"
             )
         try:
@@ -235,7 +249,9 @@ class Pipeline:
             raise ValueError(f"cannot splice at {op.start}: the sliding-window rings no longer hold it")
         tail = list(op.replacement) + log[op.end :]
         if op.start + len(tail) > conv.max_tokens - 1:
-            raise ValueError(f"the spliced log of {op.start + len(tail)} tokens does not fit the context")
+            raise ContextOverflow(
+                f"the spliced log of {op.start + len(tail)} tokens does not fit the context"
+            )
         if op.start < conv.kv.length:
             self.engine.runner.rewind(conv.kv, op.start)
         if tail:
@@ -263,7 +279,7 @@ class Pipeline:
         if len(op.slots) != len(op.labels) or not all(0 <= s < len(op.canvas) for s in op.slots):
             raise ValueError("Read: one label list a slot, each slot inside the canvas")
         if kv.length + len(op.canvas) > kv.max_tokens:
-            raise ValueError(
+            raise ContextOverflow(
                 f"a canvas of {len(op.canvas)} does not fit after {kv.length} of {kv.max_tokens} tokens"
             )
         runner, canvas = self.engine.runner, torch.tensor([list(op.canvas)], dtype=torch.long)
@@ -371,7 +387,7 @@ class Pipeline:
                 prefill_now=False,  # the scheduler prefills it, a budget a step beside the running canvases
             )
         except ValueError as e:  # refused before the cache was written
-            emit(O.Failed(str(e)))
+            emit(failed(e))
             return None
         except BaseException:
             conv.reset()
@@ -424,11 +440,11 @@ def call(
     pipeline: Any, op: O.Op, on_event: Callable[[O.Event], None] | None = None, **kwargs: Any
 ) -> list[O.Event]:
     """Run op on a pipeline (or a stage around one) and return its events; a `Failed` one raises ValueError with
-    its message, after `on_event` has seen the others."""
+    its message (`ContextOverflow` for a context refusal), after `on_event` has seen the others."""
     events: list[O.Event] = []
     pipeline.run(op, collector(events, on_event), **kwargs)
     if events and isinstance(events[-1], O.Failed):
-        raise ValueError(events[-1].message)
+        raise failure(events[-1])
     return events
 
 

@@ -59,18 +59,26 @@ class Registry:
         """The conversations no turn is running on."""
         return [c for c in self.conversations if id(c) not in self.busy]
 
+    def victim(self, keep: Conversation | None = None) -> Conversation | None:
+        """The least recently used idle conversation other than `keep` (None when there is none)."""
+        victims = [c for c in self.idle() if c is not keep]
+        return min(victims, key=lambda c: self._used[id(c)]) if victims else None
+
     def blank(self, keep: Conversation | None = None) -> Conversation:
-        """A new conversation, or the least recently used idle one (never `keep`) reset when at the bound."""
+        """A new conversation, or the least recently used idle one (`keep` only when no other is idle) reset when at
+        the bound."""
         if len(self.conversations) < self.max_conversations:
             conv = Conversation(self.engine, self.ctx, rewind_slack=SERVE_REWIND_SLACK)
             self.conversations.append(conv)
             return conv
-        victims = [c for c in self.idle() if c is not keep] or self.idle()
-        if not victims:
+        conv = self.victim(keep) or (keep if keep is not None and id(keep) not in self.busy else None)
+        if conv is None:
             raise RuntimeError(
                 "every conversation is busy: the worker admits no more turns than conversations"
             )
-        conv = min(victims, key=lambda c: self._used[id(c)])
+        return self._evict(conv)
+
+    def _evict(self, conv: Conversation) -> Conversation:
         log.info("evicting a conversation of %d tokens (least recently used)", len(conv.log))
         conv.reset()
         return conv
@@ -80,8 +88,10 @@ class Registry:
         repeats a prefix of it, continues it. One that diverges from a log gets a copy of the shared prefix while a
         slot is free, so the other branch stays cached for its own client; with every slot taken, a shared prefix of
         SALVAGE_MIN_PREFIX or more whose divergent tail is at most SALVAGE_MAX_TAIL is salvaged in place (the seed's
-        rule: the tail is cut, the prefix reused), a shorter one is copied into the least recently used slot, and
-        anything else is prefilled anew. Every choice but continuing is logged with its numbers."""
+        rule: the tail is cut, the prefix reused), a shorter one is copied into the least recently used other idle slot
+        (when its source is the only idle one, that copy would evict its own source: the source is cut in place, the
+        same cache a copy leaves), and anything else is prefilled anew. Every choice but continuing is logged with its
+        numbers."""
         best, shared = None, 0
         for conv in sorted(self.idle(), key=lambda c: -self._used[id(c)]):
             n = common_prefix(conv.log, ids)
@@ -101,15 +111,21 @@ class Registry:
         if self.max_conversations == 1:  # nowhere to fork to: cut in place whatever the ring allows
             salvage = shared >= MIN_FORK_TOKENS
         forkable = cuttable and shared >= MIN_FORK_TOKENS and self.max_conversations > 1
+        into = None if free else self.victim(keep=best)  # where a fork's copy goes with every slot taken
+        why = ""
         if forkable and free:
             self.decision = "fork"
         elif cuttable and salvage:
             self.decision = "salvage"
-        elif forkable:
+        elif forkable and into is not None:
             self.decision = "fork"
+        elif (
+            forkable
+        ):  # the other slots all run turns: evicting the source to copy it would leave nothing to copy
+            self.decision, why = "salvage", "; the fork's source is the only idle conversation"
         else:
             self.decision = "re-prefill"
-        log.info("route: %s (shared prefix %d, divergent cached tail %d)", self.decision, shared, tail)
+        log.info("route: %s (shared prefix %d, divergent cached tail %d%s)", self.decision, shared, tail, why)
         if self.decision == "salvage":
             return self.touch(best)  # the caller's AlignTo cuts the tail
         if self.decision == "re-prefill":
@@ -117,7 +133,9 @@ class Registry:
                 best.reset()
                 return self.touch(best)
             return self.touch(self.blank(keep=best))
-        fork = self.blank(keep=best)
+        if not free and into is None:  # the branches above never fork without a slot for the copy
+            raise RuntimeError("route: a fork with no idle slot but its source")
+        fork = self.blank() if free else self._evict(into)
         copy_prefix(best.kv, fork.kv, shared)
         self.engine.runner.rewind(fork.kv, shared)  # the copy's last chunk as a prefill of its own tokens
         return self.touch(fork)
@@ -157,6 +175,8 @@ def prefill(engine: Engine, ids: list[int], kv: KVCache) -> None:
 def copy_prefix(src: KVCache, dst: KVCache, n: int) -> None:
     """Make `dst` hold the K/V of the first `n` positions of `src` (same geometry; `src.can_truncate(n)`), as
     `KVCache.truncate` leaves them."""
+    if src is dst:  # a routing bug (reset first, the copy would find nothing), never the request's fault
+        raise RuntimeError("copy_prefix onto its own source")
     for layer in range(len(src.k)):
         if src.cfg.is_sliding(layer):  # a ring: copy it whole, the slots of positions < n are valid
             dst.k[layer].copy_(src.k[layer])

@@ -19,7 +19,7 @@ from diffgemma.chat.parser import BadCall, StreamParser
 from diffgemma.chat.tokenizer import ChatTokenizer
 from diffgemma.chat.toolcall import QUOTE
 from diffgemma.session import ops as O
-from diffgemma.session.pipeline import Emit, call, sampler_fields
+from diffgemma.session.pipeline import Emit, call, failed, sampler_fields
 
 RESPONSE_OPEN = "<|tool_response>"
 RESPONSE_CLOSE = "<tool_response|>"
@@ -48,7 +48,7 @@ class _Stage:
         try:
             self._generate(op, emit, **kwargs)
         except ValueError as e:
-            emit(O.Failed(str(e)))
+            emit(failed(e))
             return
         self.inner.last_output.prompt_tokens = len(op.ids)  # the stage prefilled them before its Generate ops
 
