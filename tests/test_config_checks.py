@@ -215,7 +215,7 @@ def test_a_billion_layers_without_layer_types_fails_fast_naming_the_memory_estim
     # before: 5.6 GB allocated for 71 s, then a MemoryError
     model = variant(source, tmp_path / "m", text(num_hidden_layers=10**9, layer_types=DELETE))
     proc, seconds = ask(model)
-    line = refused(proc, "num_hidden_layers=1000000000", "even at 4 bits a weight", "of memory")
+    line = refused(proc, "num_hidden_layers=1000000000", "even at 4 bits a weight", "of RAM")
     assert "GiB" in line
     assert seconds < 60  # loosely: an interpreter start and an import, not minutes of tables
 

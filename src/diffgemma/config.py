@@ -318,7 +318,7 @@ class ModelConfig:
                 f"config.json: the sizes imply {count:.3g} weights (num_hidden_layers={n_layers}, "
                 f"hidden_size={hidden}, num_experts={n_exp}, moe_intermediate_size={moe_i}, vocab_size={vocab}): "
                 f"{_gib(count * MIN_BYTES_PER_WEIGHT)} even at 4 bits a weight, more than this machine's "
-                f"{_gib(ram)} of memory"
+                f"{_gib(ram)} of RAM"
             )
 
         if layer_types is None:
