@@ -46,6 +46,158 @@ class RopeConfig:
     partial_rotary_factor: float = 1.0
 
 
+# The narrowest storage of any weight format (int4 / nvfp4: a nibble a weight, before its scales). A config whose
+# weights exceed the machine's memory even at this cannot load anywhere on it, whatever the checkpoint holds.
+MIN_BYTES_PER_WEIGHT = 0.5
+
+
+def machine_memory() -> int | None:
+    """This machine's physical RAM in bytes (None: unknown): the coarse bound a config's size is held to."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**27 else f"{nbytes / 2**20:,.1f} MiB"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _layer_weights(
+    h: int, inter: int, heads: int, hd: int, kv: int, sliding: bool, experts: int, moe_i: int
+) -> int:
+    """Weights of one layer (model.Layer's parameters): attention, seven norms, dense MLP, router and experts."""
+    attn = 2 * heads * hd * h + (2 if sliding else 1) * kv * hd * h + 2 * hd
+    return attn + 7 * h + 3 * inter * h + experts * (h + 1) + h + 3 * experts * moe_i * h + 2
+
+
+def _head_field(per_layer: dict[str, Any] | None, layer_type: str, i: int):
+    """The config field that sets layer i's `head_dim` / `num_key_value_heads`, for error messages."""
+
+    def name(key: str) -> str:
+        if per_layer is not None:
+            for k in (str(i), layer_type):
+                if key in per_layer.get(k, {}):
+                    return f"per_layer_config.{k}.{key}"
+            return key
+        if layer_type == FULL:
+            return {"head_dim": "global_head_dim", "num_key_value_heads": "num_global_key_value_heads"}[key]
+        return key
+
+    return name
+
+
+class _Fields:
+    """Typed reads of a text_config, each refusing a missing, mistyped or out-of-range value in one line."""
+
+    def __init__(self, tc: dict[str, Any], prefix: str):
+        self.tc, self.prefix = tc, prefix
+
+    def error(self, key: str, problem: str) -> ConfigError:
+        return ConfigError(f"config.json: {self.prefix}{key} {problem}")
+
+    def integer(
+        self, key: str, default: int | None = None, minimum: int = 1, falsy_default: bool = False
+    ) -> int:
+        value = self.tc.get(key)
+        if value is None or (falsy_default and value == 0):
+            if default is None:
+                raise self.error(key, "is required")
+            return default
+        if not _is_int(value):
+            raise self.error(key, f"must be an integer, got {value!r}")
+        if value < minimum:
+            raise self.error(key, f"must be at least {minimum}, got {value}")
+        return value
+
+    def number(self, key: str, default: float, falsy_default: bool = False) -> float:
+        value = self.tc.get(key)
+        if value is None or (falsy_default and value == 0):
+            return default
+        if not _is_number(value):
+            raise self.error(key, f"must be a finite number, got {value!r}")
+        if value <= 0:
+            raise self.error(key, f"must be positive, got {value}")
+        return float(value)
+
+    def token_id(self, key: str, default: int, vocab: int) -> int:
+        value = self.tc.get(key)
+        if value is None:
+            return default
+        if not _is_int(value) or not 0 <= value < vocab:
+            raise self.error(key, f"must be a token id in [0, {vocab}) (vocab_size), got {value!r}")
+        return value
+
+    def per_layer_config(self, n_layers: int) -> dict[str, dict[str, int]] | None:
+        """transformers' per_layer_config: {layer type or index: {head_dim, num_key_value_heads}}, checked."""
+        per_layer = self.tc.get("per_layer_config")
+        if per_layer is None:
+            return None
+        if not isinstance(per_layer, dict):
+            raise self.error("per_layer_config", "must be an object")
+        for key, overrides in per_layer.items():
+            if key not in (SLIDING, FULL) and not (key.isdigit() and int(key) < n_layers):
+                raise self.error(
+                    f"per_layer_config.{key}",
+                    f"is neither a layer type nor a layer index below num_hidden_layers ({n_layers})",
+                )
+            if not isinstance(overrides, dict):
+                raise self.error(f"per_layer_config.{key}", "must be an object")
+            for name in ("head_dim", "num_key_value_heads"):
+                value = overrides.get(name)
+                if value is not None and (not _is_int(value) or value < 1):
+                    raise self.error(
+                        f"per_layer_config.{key}.{name}", f"must be a positive integer, got {value!r}"
+                    )
+        return per_layer
+
+    def rope(self, used: set[str], head_dims: list[int], layer_types: list[str]) -> dict[str, RopeConfig]:
+        """RoPE by layer type from rope_parameters (transformers' defaults when absent), each entry checked."""
+        params = self.tc.get("rope_parameters")
+        if params is None:
+            params = {
+                SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+                FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+            }
+        elif not isinstance(params, dict):
+            raise self.error("rope_parameters", "must be an object keyed by layer type")
+        rope = {}
+        for lt in sorted(used):
+            where = f"rope_parameters.{lt}"
+            p = params.get(lt)
+            if p is None:
+                raise self.error(where, "is missing")
+            if not isinstance(p, dict):
+                raise self.error(where, "must be an object")
+            rtype = p.get("rope_type", "default")
+            if rtype not in ("default", "proportional"):
+                raise self.error(
+                    f"{where}.rope_type", f"{rtype!r} is not supported ('default', 'proportional')"
+                )
+            theta = p.get("rope_theta")
+            if theta is None:
+                raise self.error(f"{where}.rope_theta", "is required")
+            if not _is_number(theta) or theta <= 1:
+                raise self.error(f"{where}.rope_theta", f"must be a finite number above 1, got {theta!r}")
+            factor = p.get("partial_rotary_factor", 1.0)
+            if not _is_number(factor) or not 0 < factor <= 1:
+                raise self.error(f"{where}.partial_rotary_factor", f"must be in (0, 1], got {factor!r}")
+            if rtype == "default" and factor != 1:  # its frequencies would not cover the head (rope_cos_sin)
+                raise self.error(
+                    f"{where}.partial_rotary_factor", f"must be 1 with rope_type 'default', got {factor}"
+                )
+            rope[lt] = RopeConfig(rtype, float(theta), float(factor))
+        return rope
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -89,109 +241,150 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         """Accepts the real checkpoint's spelling (`global_head_dim`, `num_global_key_value_heads`) and
-        transformers' (`per_layer_config`), nested under `text_config` or flat."""
+        transformers' (`per_layer_config`), nested under `text_config` or flat. Every field is checked (present,
+        typed, in range, consistent) and the weights the sizes imply are bounded by this machine's memory before
+        any per-layer table is built: a ConfigError names the field in one line."""
         tc = data.get("text_config", data)
         if not isinstance(tc, dict):
             raise ConfigError("config.json: text_config must be an object")
+        f = _Fields(tc, "text_config." if tc is not data else "")
 
-        def need(key: str, typ: type = int) -> Any:
-            if key not in tc or tc[key] is None:
-                raise ConfigError(f"config.json: text_config.{key} is required")
-            value = tc[key]
-            if typ is int and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise ConfigError(f"config.json: text_config.{key} must be a positive integer, got {value!r}")
-            return value
-
-        n_layers = need("num_hidden_layers")
-        layer_types = tc.get("layer_types")
-        if layer_types is None:  # transformers' default pattern: every sixth layer is full
-            layer_types = [SLIDING if (i + 1) % 6 else FULL for i in range(n_layers)]
-        if len(layer_types) != n_layers or any(t not in (SLIDING, FULL) for t in layer_types):
-            raise ConfigError(f"config.json: layer_types must list {n_layers} of {SLIDING!r}/{FULL!r}")
+        vocab, hidden, inter = (
+            f.integer("vocab_size"),
+            f.integer("hidden_size"),
+            f.integer("intermediate_size"),
+        )
+        n_layers, n_heads = f.integer("num_hidden_layers"), f.integer("num_attention_heads")
+        head_dim, kv_heads = f.integer("head_dim"), f.integer("num_key_value_heads")
+        window = f.integer("sliding_window")
+        n_exp, top_k, moe_i = (
+            f.integer("num_experts"),
+            f.integer("top_k_experts"),
+            f.integer("moe_intermediate_size"),
+        )
+        if top_k > n_exp:  # the router would pick experts that do not exist (topk clamps silently)
+            raise f.error("top_k_experts", f"({top_k}) must not exceed num_experts ({n_exp})")
         if tc.get("use_bidirectional_attention") == "all":
             raise ConfigError("config.json: use_bidirectional_attention='all' is not supported")
+        activation = tc.get("hidden_activation", "gelu_pytorch_tanh")
+        if activation != "gelu_pytorch_tanh":
+            raise f.error("hidden_activation", f"{activation!r} is not supported (only 'gelu_pytorch_tanh')")
 
-        head_dim = need("head_dim")
-        kv_heads = need("num_key_value_heads")
-        head_dims = [head_dim] * n_layers
-        kv = [kv_heads] * n_layers
-        per_layer = tc.get("per_layer_config")
-        if per_layer is not None:
-            for key, overrides in per_layer.items():
-                idx = (
-                    [i for i, t in enumerate(layer_types) if t == key]
-                    if key in (SLIDING, FULL)
-                    else [int(key)]
+        layer_types = tc.get("layer_types")
+        if layer_types is not None:
+            if not isinstance(layer_types, list):
+                raise f.error("layer_types", f"must be a list of {SLIDING!r}/{FULL!r}")
+            bad = next((i for i, t in enumerate(layer_types) if t not in (SLIDING, FULL)), None)
+            if bad is not None:
+                raise f.error(f"layer_types[{bad}]", f"is {layer_types[bad]!r}, not {SLIDING!r} or {FULL!r}")
+            if len(layer_types) != n_layers:
+                raise f.error(
+                    "layer_types", f"lists {len(layer_types)} layers; num_hidden_layers is {n_layers}"
                 )
-                for i in idx:
-                    head_dims[i] = int(overrides.get("head_dim", head_dims[i]))
-                    kv[i] = int(overrides.get("num_key_value_heads", kv[i]))
+            n_full = layer_types.count(FULL)
+        else:  # transformers' default pattern: every sixth layer is full
+            n_full = n_layers // 6
+
+        # Full layers' head dim and kv heads, by spelling (the type-level values: per-index overrides come later)
+        per_layer = f.per_layer_config(n_layers)
+        if per_layer is not None:
+            g_head_dim = per_layer.get(FULL, {}).get("head_dim", head_dim)
+            g_kv = per_layer.get(FULL, {}).get("num_key_value_heads", kv_heads)
+            s_head_dim = per_layer.get(SLIDING, {}).get("head_dim", head_dim)
+            s_kv = per_layer.get(SLIDING, {}).get("num_key_value_heads", kv_heads)
         else:
-            g_head_dim = int(tc.get("global_head_dim") or 512)
-            g_kv = tc.get("num_global_key_value_heads")
+            g_head_dim = f.integer("global_head_dim", default=512)
+            g_kv = f.integer("num_global_key_value_heads", default=kv_heads)
             if tc.get("attention_k_eq_v", True) is False:
-                g_kv = None
-            for i, t in enumerate(layer_types):
-                if t == FULL:
-                    head_dims[i] = g_head_dim
-                    if g_kv is not None:
-                        kv[i] = int(g_kv)
+                g_kv = kv_heads
+            s_head_dim, s_kv = head_dim, kv_heads
+        # the top level wins over text_config, as transformers reads it
+        top = "tie_word_embeddings" in data and tc is not data
+        tied = data["tie_word_embeddings"] if top else tc.get("tie_word_embeddings", True)
+        if not isinstance(tied, bool):
+            where = "tie_word_embeddings" if top else f"{f.prefix}tie_word_embeddings"
+            raise ConfigError(f"config.json: {where} must be true or false, got {tied!r}")
 
-        rope_params = tc.get("rope_parameters") or {
-            SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
-            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
-        }
-        rope = {}
-        for lt in set(layer_types):
-            p = rope_params.get(lt)
-            if p is None:
-                raise ConfigError(f"config.json: rope_parameters.{lt} is missing")
-            rtype = p.get("rope_type", "default")
-            if rtype not in ("default", "proportional"):
-                raise ConfigError(f"config.json: rope_type {rtype!r} is not supported")
-            rope[lt] = RopeConfig(rtype, float(p["rope_theta"]), float(p.get("partial_rotary_factor", 1.0)))
+        # Bound the model before its per-layer tables (or, later, its modules) are built: a config of 10^9 layers
+        # would otherwise spend minutes and gigabytes on them before failing for memory.
+        count = (2 - tied) * vocab * hidden + 3 * inter * hidden + 2 * hidden
+        count += (n_layers - n_full) * _layer_weights(
+            hidden, inter, n_heads, s_head_dim, s_kv, True, n_exp, moe_i
+        )
+        count += n_full * _layer_weights(hidden, inter, n_heads, g_head_dim, g_kv, False, n_exp, moe_i)
+        ram = machine_memory()
+        if ram is not None and count * MIN_BYTES_PER_WEIGHT > ram:
+            raise ConfigError(
+                f"config.json: the sizes imply {count:.3g} weights (num_hidden_layers={n_layers}, "
+                f"hidden_size={hidden}, num_experts={n_exp}, moe_intermediate_size={moe_i}, vocab_size={vocab}): "
+                f"{_gib(count * MIN_BYTES_PER_WEIGHT)} even at 4 bits a weight, more than this machine's "
+                f"{_gib(ram)} of RAM"
+            )
 
-        n_heads = need("num_attention_heads")
+        if layer_types is None:
+            layer_types = [SLIDING if (i + 1) % 6 else FULL for i in range(n_layers)]
+        head_dims = [s_head_dim if t == SLIDING else g_head_dim for t in layer_types]
+        kv = [s_kv if t == SLIDING else g_kv for t in layer_types]
+        for key, overrides in (per_layer or {}).items():
+            if key not in (SLIDING, FULL):
+                head_dims[int(key)] = overrides.get("head_dim", head_dims[int(key)])
+                kv[int(key)] = overrides.get("num_key_value_heads", kv[int(key)])
         for i in range(n_layers):
+            field = _head_field(per_layer, layer_types[i], i)
             if n_heads % kv[i]:
-                raise ConfigError(f"layer {i}: {n_heads} query heads are not a multiple of {kv[i]} kv heads")
+                raise f.error(
+                    "num_attention_heads",
+                    f"({n_heads}) is not a multiple of layer {i}'s {kv[i]} kv heads ({field('num_key_value_heads')})",
+                )
+            if head_dims[i] % 2:
+                raise ConfigError(
+                    f"config.json: {f.prefix}{field('head_dim')} must be even (RoPE rotates pairs), got {head_dims[i]} "
+                    f"(layer {i})"
+                )
 
+        rope = f.rope(set(layer_types), head_dims, layer_types)
+
+        pad = f.token_id("pad_token_id", 0, vocab)
+        bos = f.token_id("bos_token_id", 2, vocab)
         eos = tc.get("eos_token_id", data.get("eos_token_id", 1))
-        eos_ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
+        eos_list = eos if isinstance(eos, list) else [eos]
+        if not eos_list or not all(_is_int(e) and 0 <= e < vocab for e in eos_list):
+            raise f.error(
+                "eos_token_id", f"must be a token id or a list of them in [0, {vocab}), got {eos!r}"
+            )
         canvas = data.get("canvas_length", tc.get("canvas_length", FORMAT_DEFAULT_CANVAS_LENGTH))
-        if not isinstance(canvas, int) or canvas <= 0:
+        if not _is_int(canvas) or canvas <= 0:
             raise ConfigError(f"config.json: canvas_length must be a positive integer, got {canvas!r}")
         max_pos = tc.get("max_position_embeddings")
-        if max_pos is not None and (
-            not isinstance(max_pos, int) or isinstance(max_pos, bool) or max_pos <= 0
-        ):
+        if max_pos is not None and (not _is_int(max_pos) or max_pos <= 0):
             raise ConfigError(
                 f"config.json: max_position_embeddings must be a positive integer, got {max_pos!r}"
             )
-        activation = tc.get("hidden_activation", "gelu_pytorch_tanh")
-        if activation != "gelu_pytorch_tanh":
-            raise ConfigError(f"config.json: hidden_activation {activation!r} is not supported")
+        if max_pos is not None and canvas > max_pos:
+            raise ConfigError(
+                f"config.json: canvas_length ({canvas}) exceeds max_position_embeddings ({max_pos})"
+            )
         return cls(
-            vocab_size=need("vocab_size"),
-            hidden_size=need("hidden_size"),
-            intermediate_size=need("intermediate_size"),
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
             num_layers=n_layers,
             num_heads=n_heads,
             layer_types=tuple(layer_types),
             head_dims=tuple(head_dims),
             num_kv_heads=tuple(kv),
-            sliding_window=need("sliding_window"),
+            sliding_window=window,
             rope=rope,
-            num_experts=need("num_experts"),
-            top_k_experts=need("top_k_experts"),
-            moe_intermediate_size=need("moe_intermediate_size"),
+            num_experts=n_exp,
+            top_k_experts=top_k,
+            moe_intermediate_size=moe_i,
             canvas_length=canvas,
-            rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
-            final_logit_softcapping=float(tc.get("final_logit_softcapping") or 30.0),
-            tie_word_embeddings=bool(data.get("tie_word_embeddings", tc.get("tie_word_embeddings", True))),
-            pad_token_id=int(tc.get("pad_token_id", 0) if tc.get("pad_token_id") is not None else 0),
-            bos_token_id=int(tc.get("bos_token_id", 2) if tc.get("bos_token_id") is not None else 2),
-            eos_token_ids=eos_ids,
+            rms_norm_eps=f.number("rms_norm_eps", 1e-6),
+            final_logit_softcapping=f.number("final_logit_softcapping", 30.0, falsy_default=True),
+            tie_word_embeddings=tied,
+            pad_token_id=pad,
+            bos_token_id=bos,
+            eos_token_ids=tuple(eos_list),
             max_position_embeddings=max_pos,
         )
 

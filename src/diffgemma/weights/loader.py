@@ -9,15 +9,18 @@ weight is read, and kept quantized (`QuantWeight`) where the device has a kernel
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
-from collections.abc import Iterator
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from diffgemma.config import ModelConfig
+from diffgemma.config import FULL, SLIDING, ConfigError, ModelConfig
 from diffgemma.model.model import DiffusionGemma
 from diffgemma.quant import formats
 from diffgemma.quant.pack import PAD_PREFIX, TORCH_DTYPES, misaligned
@@ -63,6 +66,10 @@ TOP_NAMES = {
 
 class CheckpointError(ValueError):
     """A checkpoint file or tensor is missing, misshapen or corrupt."""
+
+
+class ConfigMismatch(CheckpointError, ConfigError):
+    """config.json and the checkpoint's tensors disagree (either may be wrong): the message names the field."""
 
 
 def checkpoint_names(model: DiffusionGemma) -> Iterator[tuple[str, torch.nn.Module, str]]:
@@ -198,12 +205,12 @@ def plan_weights(model: DiffusionGemma, infos: dict[str, formats.TensorInfo], pa
     return fmts
 
 
-def load_weights(
-    model: DiffusionGemma, path: str | Path, device: torch.device | str, dtype: torch.dtype
-) -> None:
-    """Fill every weight of `model` from the checkpoint or pack at `path`, on device: float weights cast to dtype,
-    quantized ones kept in their format (`QuantWeight`) where the device runs it, else dequantized to dtype."""
-    path = Path(path)
+@contextmanager
+def stored_tensors(
+    path: Path,
+) -> Iterator[tuple[dict[str, formats.TensorInfo], Callable[[str], torch.Tensor]]]:
+    """The checkpoint's tensors under our names, as (infos from the headers, a reader), with the pack and
+    compressed-tensors checks done: nothing is read until the reader is called."""
     files = {n: f for n, f in shard_files(path).items() if not n.startswith(PAD_PREFIX)}
     qc = json.loads((path / "config.json").read_text()).get("quantization_config")
     method = qc.get("quant_method") if isinstance(qc, dict) else None
@@ -214,7 +221,6 @@ def load_weights(
         )
     if method == "diffgemma":
         _check_pack(path, files)
-    device = torch.device(device)
     with ExitStack() as stack:
         handles = {f: stack.enter_context(_open(f)) for f in set(files.values())}
 
@@ -233,6 +239,212 @@ def load_weights(
             except ValueError as e:
                 raise CheckpointError(f"{path}: {e}") from None
             infos, read = community.infos, community.read
+        yield infos, read
+
+
+# -- config.json against the checkpoint, before the model is built ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Expected:
+    """A weight the config implies: its checkpoint name, our attribute, its shape and the field behind each dim."""
+
+    name: str
+    attr: str
+    shape: tuple[int, ...]
+    fields: tuple[str, ...]
+
+
+def expected_weights(cfg: ModelConfig, transformers_spelling: bool = False) -> Iterator[Expected]:
+    """Every weight `DiffusionGemma(cfg)` has (the order of `checkpoint_names`), from the config alone: no model
+    is built, so a config is checked against the headers before its modules exist."""
+    h, inter, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    hs, vs, ins = "hidden_size", "vocab_size", "intermediate_size"
+    top = {
+        "embed": ((v, h), (vs, hs)),
+        "norm": ((h,), (hs,)),
+        "sc_pre_norm": ((h,), (hs,)),
+        "sc_gate": ((inter, h), (ins, hs)),
+        "sc_up": ((inter, h), (ins, hs)),
+        "sc_down": ((h, inter), (hs, ins)),
+    }
+    for suffix, attr in TOP_NAMES.items():
+        yield Expected(DECODER + suffix, attr, *top[attr])
+    if not cfg.tie_word_embeddings:
+        yield Expected("lm_head.weight", "lm_head", (v, h), (vs, hs))
+    e, mi = cfg.num_experts, cfg.moe_intermediate_size
+    for i in range(cfg.num_layers):
+        hd, kv, nh = cfg.head_dims[i], cfg.num_kv_heads[i], cfg.num_heads
+        if transformers_spelling:
+            hdf, kvf = f"head_dim of layer {i}", f"num_key_value_heads of layer {i}"
+        elif cfg.is_sliding(i):
+            hdf, kvf = "head_dim", "num_key_value_heads"
+        else:
+            hdf, kvf = "global_head_dim", "num_global_key_value_heads"
+        q, k = (nh * hd, h), (kv * hd, h)
+        qf, kf = (f"num_attention_heads x {hdf}", hs), (f"{kvf} x {hdf}", hs)
+        shapes = {
+            "q_proj": (q, qf),
+            "k_proj": (k, kf),
+            "v_proj": (k, kf),
+            "o_proj": ((h, nh * hd), (hs, qf[0])),
+            "q_norm": ((hd,), (hdf,)),
+            "k_norm": ((hd,), (hdf,)),
+            "mlp_gate": ((inter, h), (ins, hs)),
+            "mlp_up": ((inter, h), (ins, hs)),
+            "mlp_down": ((h, inter), (hs, ins)),
+            "router_proj": ((e, h), ("num_experts", hs)),
+            "router_scale": ((h,), (hs,)),
+            "per_expert_scale": ((e,), ("num_experts",)),
+            "experts_gate_up": ((e, 2 * mi, h), ("num_experts", "2 x moe_intermediate_size", hs)),
+            "experts_down": ((e, h, mi), ("num_experts", hs, "moe_intermediate_size")),
+            "layer_scalar": ((1,), ("a layer scalar's 1",)),
+        }
+        shapes.update({a: ((h,), (hs,)) for a in LAYER_NAMES.values() if "layernorm" in a})
+        for suffix, attr in LAYER_NAMES.items():
+            if attr == "v_proj" and not cfg.is_sliding(i):
+                continue  # full layers take V from k_proj
+            yield Expected(f"{DECODER}layers.{i}.{suffix}", attr, *shapes[attr])
+
+
+def _stored_data_shape(want: tuple[int, ...], dtype: torch.dtype) -> tuple[int, ...]:
+    """The shape of a weight's data tensor in whichever format its dtype says: the nibble formats (uint8) store
+    two values a byte along the input dimension, every other format the weight's own shape."""
+    return (*want[:-1], want[-1] // 2) if dtype == torch.uint8 and want else want
+
+
+def _shape_problem(e: Expected, stored: formats.TensorInfo) -> str | None:
+    """Which config fields a stored tensor's shape contradicts, or None when its dims agree with them."""
+    want = _stored_data_shape(e.shape, stored.dtype)
+    if stored.shape == want:
+        return None
+    if len(stored.shape) != len(want):
+        fields = ", ".join(e.fields)
+    else:
+        fields = ", ".join(f for f, a, b in zip(e.fields, stored.shape, want, strict=True) if a != b)
+    return (
+        f"config.json and the checkpoint disagree: tensor {e.name} has shape {stored.shape}, the config "
+        f"expects {want} (from {fields})"
+    )
+
+
+LAYER_INDEX = re.compile(re.escape(DECODER) + r"layers\.(\d+)\.")
+
+
+def _check_layers(cfg: ModelConfig, infos: dict[str, formats.TensorInfo], layer_types_given: bool) -> None:
+    """num_hidden_layers against the layers the checkpoint holds, and each layer's type against its tensors
+    (a sliding layer has a v_proj, a full one none): either mismatch would load silently into a wrong model."""
+    held = {int(m.group(1)) for n in infos if (m := LAYER_INDEX.match(n))}
+    if held != set(range(cfg.num_layers)):
+        have = f"layers 0 to {max(held)}" if held == set(range(len(held))) and held else f"{len(held)} layers"
+        raise ConfigMismatch(
+            f"config.json: num_hidden_layers is {cfg.num_layers}, but the checkpoint holds {have} "
+            f"({DECODER}layers.N)"
+        )
+    field = "layer_types" if layer_types_given else "layer_types (absent: every sixth layer full)"
+    for i, t in enumerate(cfg.layer_types):
+        has_v = f"{DECODER}layers.{i}.self_attn.v_proj.weight" in infos
+        if has_v != (t == SLIDING):
+            other = FULL if t == SLIDING else SLIDING
+            raise ConfigMismatch(
+                f"config.json: {field} makes layer {i} {t}, but the checkpoint's layer {i} is {other} "
+                f"({'no' if t == SLIDING else 'a'} self_attn.v_proj)"
+            )
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free for new tensors on `device` (None: unknown). CPU: MemAvailable, under a cgroup's limit."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    free = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    free = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    if free is None:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    try:  # a container's own limit (cgroup v2), which MemAvailable does not see
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            free = min(free, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return free
+
+
+def _nbytes(info: formats.TensorInfo) -> int:
+    n = 1
+    for d in info.shape:
+        n *= d
+    return n * info.dtype.itemsize
+
+
+def check_checkpoint(
+    cfg: ModelConfig,
+    path: str | Path,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    raw_config: dict | None = None,
+) -> int:
+    """Check config.json against the checkpoint's headers (layer count and types, every weight's shape and
+    format) and the weights' memory against what `device` has free, before any model is built or weight read;
+    returns the weights' bytes on the device. ConfigMismatch / ConfigError name the field in one line."""
+    path, device = Path(path), torch.device(device)
+    raw = raw_config if raw_config is not None else json.loads((path / "config.json").read_text())
+    tc = raw.get("text_config", raw)
+    with stored_tensors(path) as (infos, _):
+        _check_layers(cfg, infos, tc.get("layer_types") is not None)
+        total = 0
+        for e in expected_weights(cfg, transformers_spelling="per_layer_config" in tc):
+            data = infos.get(e.name)
+            if data is None:
+                raise CheckpointError(f"tensor {e.name} is missing from the checkpoint at {path}")
+            problem = _shape_problem(e, data)
+            if problem:
+                raise ConfigMismatch(problem)
+            if e.attr not in ATTR_CLASSES and (
+                not data.dtype.is_floating_point or data.dtype == torch.float8_e4m3fn
+            ):
+                raise CheckpointError(f"tensor {e.name} is {data.dtype}, not a floating-point type")
+            found = {s: infos[e.name + s] for s in ("", *formats.COMPANIONS) if e.name + s in infos}
+            try:
+                fmt = formats.detect(e.name, found, e.shape)
+            except formats.FormatError as err:
+                raise ConfigMismatch(f"{err} (the config's shape {e.shape}: {', '.join(e.fields)})") from None
+            if fmt == "bf16" or not runs_quantized(device, e.attr, fmt):
+                total += _nbytes(formats.TensorInfo(dtype, e.shape))
+            else:
+                total += sum(_nbytes(infos[e.name + s]) for s in formats.layout(fmt, e.shape))
+    free = free_memory(device)
+    if free is not None and total > free:
+        raise ConfigError(
+            f"config.json: the weights its sizes imply need {_size(total)} on {device} in "
+            f"{str(dtype).removeprefix('torch.')} (as the checkpoint stores them), but only {_size(free)} is free"
+        )
+    return total
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**27 else f"{nbytes / 2**20:,.1f} MiB"
+
+
+def load_weights(
+    model: DiffusionGemma, path: str | Path, device: torch.device | str, dtype: torch.dtype
+) -> None:
+    """Fill every weight of `model` from the checkpoint or pack at `path`, on device: float weights cast to dtype,
+    quantized ones kept in their format (`QuantWeight`) where the device runs it, else dequantized to dtype."""
+    path = Path(path)
+    device = torch.device(device)
+    with stored_tensors(path) as (infos, read):
         fmts = plan_weights(model, infos, path)
 
         target = str(dtype).removeprefix("torch.")
@@ -307,6 +519,7 @@ def load_weights(
 def load_model(path: str | Path, device: torch.device | str, dtype: torch.dtype) -> DiffusionGemma:
     """Build the model from config.json without allocating (meta device), then fill it from the checkpoint."""
     cfg = ModelConfig.from_dir(path)
+    check_checkpoint(cfg, path, device, dtype)
     with torch.device("meta"):
         model = DiffusionGemma(cfg)
     load_weights(model, path, device, dtype)
