@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from diffgemma.config import ModelConfig, RuntimeConfig, SamplerConfig
-from diffgemma.kernels.table import FastKernels, Kernels
 from diffgemma.model.kv_cache import KVCache
 from diffgemma.model.model import DiffusionGemma
 from diffgemma.model.passes import COMMIT, Pass
+from diffgemma.model.steps import FastSteps, Steps
 from diffgemma.runner import parallel
 from diffgemma.runner.graphs import DenoiseGraphs, GraphStep, full_keys
 
@@ -55,15 +55,15 @@ class ModelRunner:
             raise ValueError(
                 "attention_topk on the fast kernels needs a CUDA device (the reference kernels have it)"
             )
-        model.kernels = (
-            FastKernels(compile=self.config.compile, topk=self.config.attention_topk)
+        model.steps = (
+            FastSteps(compile=self.config.compile, topk=self.config.attention_topk)
             if self.fast
-            else Kernels(topk=self.config.attention_topk)
+            else Steps(topk=self.config.attention_topk)
         )
         # expert parallel: this rank's experts, the other ranks' summed in (a host read a layer)
         if self.config.expert_parallel > 1:
             lo, hi = parallel.shard_experts(model, self.config.expert_parallel)
-            model.kernels = parallel.ExpertParallelKernels(model.kernels, lo, hi)
+            model.steps = parallel.ExpertParallelSteps(model.steps, lo, hi)
         self.graphs_on = (
             self.fast
             and self.config.graphs
@@ -82,9 +82,9 @@ class ModelRunner:
     def follow(self) -> None:
         """On ranks 1.. of an expert parallel group: serve this rank's experts to rank 0's forwards until rank 0
         releases the group (`parallel.release`, at its exit if not before). Rank 0 runs the engine."""
-        if not isinstance(self.model.kernels, parallel.ExpertParallelKernels) or self.model.kernels.rank == 0:
+        if not isinstance(self.model.steps, parallel.ExpertParallelSteps) or self.model.steps.rank == 0:
             raise ValueError("follow runs on ranks 1.. of an expert parallel group (expert_parallel > 1)")
-        self.model.kernels.follow(self.model)
+        self.model.steps.follow(self.model)
 
     @property
     def cfg(self) -> ModelConfig:
@@ -306,7 +306,7 @@ class ModelRunner:
             )
         else:
             logits = forward(canvas, sc_probs)
-        return (logits if raw else model.kernels.softcap(logits, self.cfg.final_logit_softcapping))[None]
+        return (logits if raw else model.steps.softcap(logits, self.cfg.final_logit_softcapping))[None]
 
     def sc_input_buffer(self, kv: KVCache, canvas_len: int) -> torch.Tensor | None:
         """The captured denoise graph's SC input for this cache and canvas length, if there is one ([C, V] in the

@@ -1,7 +1,8 @@
-"""The kernel table: each step of the model's forward, as a torch reference (`Kernels`, any device) and as fast
-kernels (`FastKernels`: Triton where a kernel serves, through `dispatch`, else torch's library kernels, with the
-small ops between them as `torch.compile`d regions). The model calls its steps through one of these objects and
-never picks a backend itself; `runner.ModelRunner` picks one at construction.
+"""A layer's steps: what one layer's forward does between the kernels (reading the layer's weights by name,
+writing the KV cache, filling in the `Pass`), as the torch reference (`Steps`, any device) and as the fast
+steps (`FastSteps`: `kernels/`'s fast ops where they serve, asked through `kernels.dispatch`, else torch's
+library kernels, with the small ops between them as `torch.compile`d regions). The model calls its steps
+through one of these objects and never picks a backend itself; `runner.ModelRunner` picks one at construction.
 
 Every fast step computes what its reference computes (tests pin them: fp32 on CPU bit for bit where the same
 ops run, tests/gpu on the device). The fast steps prefill one row a pass; several canvases share a pass, their
@@ -51,7 +52,7 @@ def _heads(z: torch.Tensor, b: int) -> torch.Tensor:
     return z.view(b, z.shape[0] // b, z.shape[1], z.shape[2]).transpose(1, 2)
 
 
-class Kernels:
+class Steps:
     """The reference steps: plain torch ops (`torch_ref` and the uncompiled `regions`), any batch, any device."""
 
     fast = False
@@ -190,7 +191,7 @@ def _experts_dense(x, routing: Routing, k: int, gate_up, down) -> torch.Tensor:
     return out[routing.perm // k, routing.ids.reshape(-1)[routing.perm]]
 
 
-class FastKernels(Kernels):
+class FastSteps(Steps):
     """The fast steps for one row: Triton kernels where they serve, library kernels, compiled regions, K/V
     written straight to the cache's slots and the cache geometry read on the device (`Pass.geometry`), so that
     a step can be captured in a CUDA graph. Activations in fp32 on 16-bit weights (a short prompt's prefill,
