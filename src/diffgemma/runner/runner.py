@@ -1,17 +1,16 @@
 """`ModelRunner`: how the model runs. It picks the kernels once from a `RuntimeConfig` and owns everything about
 executing the plain forward fast: the prefill routes and chunks, CUDA graphs and their pools, the staging cache
-of padded prefills, torch.compile'd regions and the warm-up. Generation, conversations and the server call the
-runner, never the model's forward directly."""
+of padded prefills, torch.compile'd regions, and what the engine's warm-up needs. Generation, conversations and
+the server call the runner, never the model's forward directly."""
 
 from __future__ import annotations
 
-import time
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from diffgemma.config import ModelConfig, RuntimeConfig, SamplerConfig
+from diffgemma.config import ModelConfig, RuntimeConfig
 from diffgemma.model.kv_cache import KVCache
 from diffgemma.model.model import DiffusionGemma
 from diffgemma.model.passes import COMMIT, Pass
@@ -45,7 +44,8 @@ def wants_fast_kernels(config: RuntimeConfig, device: torch.device, dtype: torch
 
 
 class ModelRunner:
-    """Runs `model` as `config` says: `prefill`, `denoise` and `rewind` on KV caches, `warm_up` before serving."""
+    """Runs `model` as `config` says: `prefill`, `denoise` and `rewind` on KV caches (`engine.warm_up` compiles it
+    before serving)."""
 
     def __init__(self, model: DiffusionGemma, config: RuntimeConfig | None = None) -> None:
         self.model = model
@@ -359,36 +359,16 @@ class ModelRunner:
         geo = torch.tensor([kv.denoise_geometry(c) for kv in kvs], dtype=torch.int32)
         return self._geometry[b].copy_(geo)
 
-    # -- compile, graphs, warm-up ------------------------------------------------------------------------
+    # -- graphs and memory ------------------------------------------------------------------------
 
     def release_graphs(self) -> None:
         """Drop the denoise and commit graphs (each tied to the cache it was captured on), their memory pool and
         their shared buffers."""
         self.graphs.clear()
 
-    def warm_up(self, sampler: SamplerConfig) -> float:
-        """Compile the fast path (torch.compile'd regions and Triton kernels, once a process) by generating
-        throwaway replies on caches of their own: a short prompt (prefilled under the sampler's fp32 rule when it
-        is on) and one just past that rule's length (prefilled in the model's dtype), two blocks of three steps
-        each, so that the denoise step with each self-conditioning input and a block's commit run too. Then the
-        graphs tied to those caches are dropped. A server calls it before it takes requests, as vLLM compiles and
-        captures before serving (docs/performance.md, "torch.compile and warm-up"). Returns the seconds taken;
-        0.0 on the reference kernels, where nothing is compiled."""
-        from diffgemma.engine.generate import generate
-
-        if not self.fast:
-            return 0.0
-        t0 = time.perf_counter()
-        canvas, vocab = self.cfg.canvas_length, self.cfg.vocab_size
-        sampler = sampler.replace(max_denoising_steps=3, stop_token_ids=(), empty_reply_retry=0)
-        f32_max = sampler.prefill_f32_max_tokens
-        for n in (min(8, f32_max), f32_max + 1) if f32_max else (8,):
-            ids = [3 + i % (vocab - 3) for i in range(n)]  # past pad, eos and bos
-            kv = self.new_cache(n + 3 * canvas)
-            generate(self, ids, kv, sampler, seed=0, max_new_tokens=2 * canvas)
-            del kv
-        self.release_graphs()
+    def return_memory(self) -> None:
+        """On CUDA: wait for the device, then hand the allocator's cached blocks (a released graph pool's) back to
+        it, for the memory a server plans (`engine.warm_up`)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()  # the graphs' pool back to the device, for the memory a server plans
-        return time.perf_counter() - t0
+            torch.cuda.empty_cache()
