@@ -1,4 +1,4 @@
-"""`Engine.warm_up` (`engine.warm_up`): the fast kernels compiled before the first request (by `serve`, and by `chat` while the first
+"""`Engine.warm_up`: the fast kernels compiled before the first request (by `serve`, and by `chat` while the first
 message is typed), with every later request's shapes covered and no reply changed. The regions compile for the
 CPU here, as in test_fast_kernels.py; on CUDA the same code also captures graphs (tests/gpu)."""
 
