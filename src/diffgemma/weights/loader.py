@@ -20,8 +20,8 @@ from safetensors import SafetensorError, safe_open
 from diffgemma.config import ModelConfig
 from diffgemma.model.model import DiffusionGemma
 from diffgemma.quant import formats
-from diffgemma.quant.pack import PAD_PREFIX, TORCH_DTYPES, misaligned
 from diffgemma.quant.weight import QuantWeight
+from diffgemma.weights.pack import PAD_PREFIX, TORCH_DTYPES, misaligned
 
 DECODER = "model.decoder."
 ENCODER = "model.encoder.language_model."
@@ -226,7 +226,7 @@ def load_weights(
 
         infos, read = _infos(handles, files), read_stored
         if method == "compressed-tensors":  # seen through our pack's names and layout
-            from diffgemma.quant.community import CompressedTensors
+            from diffgemma.weights.community import CompressedTensors
 
             try:
                 community = CompressedTensors(qc, infos, read_stored)
