@@ -607,7 +607,7 @@ def quant_error(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict[str, A
 
 
 def denoise_layers(model: DiffusionGemma, canvas: torch.Tensor, cache) -> list[torch.Tensor]:
-    """Each layer's output over a denoise of `canvas` on a prefilled `cache` (the model's kernel table, eagerly;
+    """Each layer's output over a denoise of `canvas` on a prefilled `cache` (the model's steps, eagerly;
     the cache's length is left as it was), then the final logits."""
     outs: list[torch.Tensor] = []
     real = model.layer_forward

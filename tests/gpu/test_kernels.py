@@ -292,7 +292,7 @@ def _real_layer_params(seed: int = 0):
 
 
 class _Layer:
-    """A real-shape layer's FFN weights, as the kernel table's FFN steps read them from a `Layer`."""
+    """A real-shape layer's FFN weights, as the FFN steps read them from a `Layer`."""
 
     def __init__(self, p: dict) -> None:
         self.__dict__.update(p)
@@ -302,7 +302,7 @@ class _Layer:
 
 
 def _ffn_half(kernels, layer: _Layer, h, attn, p):
-    """The FFN half of `DiffusionGemma.layer_forward`, step by step through a kernel table."""
+    """The FFN half of `DiffusionGemma.layer_forward`, step by step through a layer's steps (`model.steps`)."""
     h1, x_dense, x_moe, r = kernels.pre_ffn(h, attn, layer, 1e-6, p)
     routing = kernels.route(r, layer, 8, p)
     dense = kernels.dense_mlp(x_dense, layer, 1e-6, p)

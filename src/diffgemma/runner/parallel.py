@@ -96,7 +96,7 @@ def shard_experts(model: Any, world: int) -> tuple[int, int]:
 
 
 class ExpertParallelSteps:
-    """A kernel table whose `experts` runs this rank's experts [lo, hi); every other step is the wrapped table's.
+    """Steps whose `experts` runs this rank's experts [lo, hi); every other step is the wrapped steps'.
     On rank 0 each call is sent to the other ranks first and their pairs summed in by a reduce; ranks 1.. run the
     calls rank 0 sends (`follow`). The pair range is read on the host (no CUDA graphs)."""
 

@@ -1,7 +1,15 @@
-"""`ModelRunner`: how the model runs. It picks the kernels once from a `RuntimeConfig` and owns everything about
-executing the plain forward fast: the prefill routes and chunks, CUDA graphs and their pools, the staging cache
-of padded prefills, torch.compile'd regions, and what the engine's warm-up needs. Generation, conversations and
-the server call the runner, never the model's forward directly."""
+"""`ModelRunner`: how the model runs. It asks `kernels.dispatch` once which kernels a `RuntimeConfig` gets
+(`fast_kernels`), builds the model's steps from the answer, and owns everything about executing the plain
+forward fast: the prefill routes and chunks, CUDA graphs and their pools, the staging cache of padded prefills,
+torch.compile'd regions, and what the engine's warm-up needs. Generation, conversations and the server call the
+runner, never the model's forward directly.
+
+The one difference in behaviour between the kernels (docs/performance.md, "Prefill in chunks at fixed
+positions"): the reference prefills in aligned canvas chunks and a rewind encodes the cut chunk again, so that a
+cache's bytes do not depend on its history; the fast kernels take their fastest routes and a rewind only
+truncates: aligned C-row chunks would multiply a long prompt's passes (and expert weight reads) by
+prefill_chunk / C, and a re-encode on the fast routes would not give back what a fresh prefill's route (a padded
+graph, a commit, one large chunk) wrote."""
 
 from __future__ import annotations
 
@@ -11,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from diffgemma.config import ModelConfig, RuntimeConfig
+from diffgemma.kernels import dispatch
 from diffgemma.model.kv_cache import KVCache
 from diffgemma.model.model import DiffusionGemma
 from diffgemma.model.passes import COMMIT, Pass
@@ -36,13 +45,6 @@ PREFILL_GRAPH_MAX = 2048
 PREFILL_GRAPH_BUCKET = 256
 
 
-def wants_fast_kernels(config: RuntimeConfig, device: torch.device, dtype: torch.dtype) -> bool:
-    """The kernels a config asks for on this device and dtype: "auto" is fast on CUDA in 16 bits."""
-    if config.kernels == "auto":
-        return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-    return config.kernels == "fast"
-
-
 class ModelRunner:
     """Runs `model` as `config` says: `prefill`, `denoise` and `rewind` on KV caches (`engine.warm_up` compiles it
     before serving)."""
@@ -50,7 +52,7 @@ class ModelRunner:
     def __init__(self, model: DiffusionGemma, config: RuntimeConfig | None = None) -> None:
         self.model = model
         self.config = config or RuntimeConfig()
-        self.fast = wants_fast_kernels(self.config, model.device, model.dtype)
+        self.fast = dispatch.fast_kernels(self.config.kernels, model.device, model.dtype)  # the one choice
         if self.fast and self.config.attention_topk and model.device.type != "cuda":
             raise ValueError(
                 "attention_topk on the fast kernels needs a CUDA device (the reference kernels have it)"
@@ -251,6 +253,7 @@ class ModelRunner:
         would (`_prefill_aligned`): a rewind restores the K/V bytes of the shorter cache exactly."""
         kv.truncate(pos)
         redo = pos % self.cfg.canvas_length
+        # the fast kernels' prefill routes are not aligned chunks: nothing to restore (see the module's docstring)
         if self.fast or not redo or not kv.knows_tokens() or not kv.can_truncate(pos - redo):
             return
         tokens = kv.tokens[pos - redo :]
