@@ -31,9 +31,9 @@ from diffgemma.bench import (
     setup,
     table,
 )
-from diffgemma.kernels.table import Kernels
 from diffgemma.model.model import DiffusionGemma
 from diffgemma.model.passes import Pass
+from diffgemma.model.steps import Steps
 
 TRANSFORMERS_MAX_CONTEXT = 32768  # its one-shot prefill's [ctx, ctx] masks and device time bound it
 
@@ -204,11 +204,11 @@ def cache_from_hf(runner, cache, ctx: int):
     return kv
 
 
-def per_layer(model: DiffusionGemma, kernels: Kernels, captured, kv) -> dict[str, Any]:
+def per_layer(model: DiffusionGemma, kernels: Steps, captured, kv) -> dict[str, Any]:
     """Each decoder layer fed transformers' own input to it, on `kernels`, eagerly: our output against
     transformers', |d| relative to the output's mean magnitude (a real mismatch stands out from bf16 rounding)."""
     c = captured[0][0].shape[1]
-    saved, model.kernels = model.kernels, kernels
+    saved, model.steps = model.steps, kernels
     try:
         if kernels.fast:
             geometry = torch.tensor([kv.denoise_geometry(c)], dtype=torch.int32, device=model.device)
@@ -231,7 +231,7 @@ def per_layer(model: DiffusionGemma, kernels: Kernels, captured, kv) -> dict[str
                 }
             )
     finally:
-        model.kernels = saved
+        model.steps = saved
     worst = max(rows, key=lambda r: r["rel_mean"])
     return {"worst_rel_mean": worst["rel_mean"], "worst_layer": worst["layer"], "layers": rows}
 
@@ -306,11 +306,11 @@ def check(runner, hf, ctx: int) -> dict[str, Any]:
                 "max_abs_diff": float((dec_in.float() - captured[0][0][0].float()).abs().max()),
                 "std": float(captured[0][0].float().std()),
             },
-            "reference": per_layer(model, Kernels(), captured, kv_hf),
+            "reference": per_layer(model, Steps(), captured, kv_hf),
         },
     }
     if runner.fast:
-        out["per_layer"]["fast"] = per_layer(model, model.kernels, captured, kv_hf)
+        out["per_layer"]["fast"] = per_layer(model, model.steps, captured, kv_hf)
     out["reference_vs_itself"] = hf_noise_floor(hf, ids.to(device), canvas, b, b_sc, sc)
     return out
 

@@ -13,10 +13,10 @@ from safetensors.torch import load_file, save_file
 
 import diffgemma
 from diffgemma.quant import formats
-from diffgemma.quant.community import CompressedTensors
 from diffgemma.quant.weight import QuantWeight
 from diffgemma.testing.compressed import write_tiny_compressed_fp8
 from diffgemma.weights import loader
+from diffgemma.weights.community import CompressedTensors
 from diffgemma.weights.loader import CheckpointError, checkpoint_names, load_model
 
 LAYOUTS = [(e, s) for e in ("per_expert", "fused") for s in ("channel", "tensor")]

@@ -15,10 +15,10 @@ import torch.multiprocessing as mp
 
 from diffgemma.config import RuntimeConfig, SamplerConfig
 from diffgemma.engine.generate import Turn, drive
-from diffgemma.quant import pack
 from diffgemma.quant.weight import QuantWeight
 from diffgemma.runner.parallel import expert_range, release
 from diffgemma.runner.runner import ModelRunner
+from diffgemma.weights import pack
 from diffgemma.weights.loader import load_model
 
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 600, 12, 8, 300, 77]

@@ -1,4 +1,4 @@
-"""The fast kernels (`kernels.table.FastKernels`: library kernels, the regions, K/V written to the cache's slots,
+"""The fast kernels (`model.steps.FastSteps`: library kernels, the regions, K/V written to the cache's slots,
 the geometry read on the device) pinned to the reference kernels on CPU in fp32, through every prefill route of
 the runner, ring wraps and rewinds; the regions compiled for the CPU; the library's attention ops."""
 
@@ -11,7 +11,7 @@ from diffgemma.config import RuntimeConfig
 from diffgemma.kernels import library as fast
 from diffgemma.kernels import regions
 from diffgemma.kernels import torch_ref as ref
-from diffgemma.kernels.table import FastKernels, Kernels
+from diffgemma.model.steps import FastSteps, Steps
 from diffgemma.runner.runner import ModelRunner
 from diffgemma.testing import write_tiny_checkpoint
 from diffgemma.weights.loader import load_model, load_weights
@@ -72,7 +72,7 @@ def _denoise(run: ModelRunner, canvas, kv) -> list[torch.Tensor]:
 
 def _on(run: ModelRunner) -> ModelRunner:
     """`run`, its kernels on its model again (two runners share one model here)."""
-    run.model.kernels = FastKernels(compile=False) if run.fast else Kernels()
+    run.model.steps = FastSteps(compile=False) if run.fast else Steps()
     return run
 
 
@@ -175,7 +175,7 @@ def test_fast_prefill_regions_compile_once_for_all_lengths(tiny_a):
     # compiled for the CPU (inductor): one variant of each prefill region serves every chunk length; a commit runs
     # the denoise's fixed-shape regions instead
     fast_run = runner(load_model(tiny_a, "cpu", torch.float32), "fast", compile=True, prefill_chunk=8)
-    kernels = fast_run.model.kernels
+    kernels = fast_run.model.steps
     kv = fast_run.new_cache(128)
     g = torch.Generator().manual_seed(0)
     fast_run.prefill(torch.randint(3, 1000, (23,), generator=g), kv)  # padded, into the empty cache
@@ -197,7 +197,7 @@ def test_fp32_activations_on_16_bit_weights_take_the_reference_steps(tiny_a):
     # an fp32 compute dtype on a bf16 model (a short prompt's prefill, seed rule 7): no region is compiled for it
     fast_run = runner(load_model(tiny_a, "cpu", torch.bfloat16), "fast", compile=True)
     fast_run.prefill(torch.arange(3, 20), fast_run.new_cache(64), compute_dtype=torch.float32)
-    assert not any(r._seen for r in fast_run.model.kernels.prefill_regions.values())
+    assert not any(r._seen for r in fast_run.model.steps.prefill_regions.values())
 
 
 @pytest.mark.parametrize("past", [0, 5, 7])

@@ -13,10 +13,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from diffgemma.quant import formats, pack, profiles
+from diffgemma.quant import formats, profiles
 from diffgemma.quant.weight import QuantWeight
 from diffgemma.testing import write_tiny_checkpoint
-from diffgemma.weights import loader
+from diffgemma.weights import loader, pack
 from diffgemma.weights.header import read_header
 from diffgemma.weights.loader import CheckpointError, load_model
 

@@ -14,7 +14,7 @@ import diffgemma
 from diffgemma.config import RuntimeConfig
 from diffgemma.engine.batch import Request, Scheduler, denoise_step
 from diffgemma.engine.generate import CancelToken, Canvas, generate
-from diffgemma.kernels.table import Kernels
+from diffgemma.model.steps import Steps
 
 
 class AfterSteps(CancelToken):
@@ -40,7 +40,7 @@ def eng(tiny_a, request):
         # The CPU's grouped GEMM sums an expert's rows in an order that depends on how many it has (~1e-6 here);
         # the reference's per-expert GEMMs, padded to EXPERT_MIN_ROWS, do not. The rest of the fast batched pass
         # (attention row by row, K/V to each cache's canvas slots, the commits) runs as it is.
-        eng.runner.model.kernels.experts = functools.partial(Kernels.experts, eng.runner.model.kernels)
+        eng.runner.model.steps.experts = functools.partial(Steps.experts, eng.runner.model.steps)
     return eng
 
 

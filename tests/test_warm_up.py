@@ -41,10 +41,10 @@ def _chat() -> None:
 
 
 def _variants(model) -> dict[str, int]:
-    if not model.kernels.fast:
+    if not model.steps.fast:
         return {}
-    regions = {f"prefill.{n}": r for n, r in model.kernels.prefill_regions.items()}
-    regions.update({f"denoise.{n}": r for n, r in model.kernels.regions.items()})
+    regions = {f"prefill.{n}": r for n, r in model.steps.prefill_regions.items()}
+    regions.update({f"denoise.{n}": r for n, r in model.steps.regions.items()})
     return {name: len(r._seen) for name, r in regions.items()}
 
 
@@ -67,7 +67,7 @@ def test_warm_up_compiles_what_a_reply_needs_and_changes_no_reply(tiny_a):
         a2 = warm.generate(list(range(60, 70)), max_new_tokens=12, seed=4, kv=kv_warm)
     assert _variants(warm.model) == seen
     assert not any(
-        r.failed for r in [*warm.model.kernels.prefill_regions.values(), *warm.model.kernels.regions.values()]
+        r.failed for r in [*warm.model.steps.prefill_regions.values(), *warm.model.steps.regions.values()]
     )
     b = cold.generate(prompt, max_new_tokens=20, seed=3, kv=kv_cold)
     b2 = cold.generate(list(range(60, 70)), max_new_tokens=12, seed=4, kv=kv_cold)

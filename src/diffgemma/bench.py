@@ -374,7 +374,7 @@ def measure(
 
         res["fast_kernels"] = runner.runner.fast
         if runner.runner.fast:
-            res["fused_regions"] = regions.regions_report(model.kernels.regions)
+            res["fused_regions"] = regions.regions_report(model.steps.regions)
     runner.new_cache(0)
     return res
 
@@ -607,7 +607,7 @@ def quant_error(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict[str, A
 
 
 def denoise_layers(model: DiffusionGemma, canvas: torch.Tensor, cache) -> list[torch.Tensor]:
-    """Each layer's output over a denoise of `canvas` on a prefilled `cache` (the model's kernel table, eagerly;
+    """Each layer's output over a denoise of `canvas` on a prefilled `cache` (the model's steps, eagerly;
     the cache's length is left as it was), then the final logits."""
     outs: list[torch.Tensor] = []
     real = model.layer_forward
@@ -630,11 +630,11 @@ def topk_error(runner: ModelRunner, ctxs: list[int], g) -> dict[str, Any]:
     one dense prefill, on the reference kernels with `attention_topk` on and off (per-layer and final relative
     error, argmax agreement); beside it the fast kernels' dense step against the reference's, the yardstick of
     what two exact paths differ by."""
-    from diffgemma.kernels.table import Kernels
     from diffgemma.kernels.torch_ref import topk_keys
+    from diffgemma.model.steps import Steps
 
     model, c = runner.model, runner.cfg.canvas_length
-    fast = model.kernels
+    fast = model.steps
     res: dict[str, Any] = {}
     for ctx in ctxs:
         prompt = torch.randint(0, runner.cfg.vocab_size, (1, ctx), generator=g).to(runner.device)
@@ -643,11 +643,11 @@ def topk_error(runner: ModelRunner, ctxs: list[int], g) -> dict[str, Any]:
         runner.prefill(prompt, cache)
         outs = {}
         try:
-            for name, kernels in (("fast", fast), ("dense", Kernels()), ("topk", Kernels(topk=True))):
-                model.kernels = kernels
+            for name, kernels in (("fast", fast), ("dense", Steps()), ("topk", Steps(topk=True))):
+                model.steps = kernels
                 outs[name] = denoise_layers(model, canvas, cache)
         finally:
-            model.kernels = fast
+            model.steps = fast
         row = res[str(ctx)] = {
             "keep": topk_keys(ctx + c),
             "topk_vs_dense": quant_error(outs["topk"], outs["dense"]),

@@ -632,9 +632,9 @@ def quantize(
     quiet: bool = typer.Option(False, "-q", "--quiet", help="No progress line."),
 ) -> None:
     """Write a quantized pack of a checkpoint: one tensor at a time, into a directory renamed into place at the end."""
-    from diffgemma.quant.pack import quantize as write_pack
     from diffgemma.quant.profiles import QuantSpecError
     from diffgemma.weights.download import resolve_model
+    from diffgemma.weights.pack import quantize as write_pack
 
     with one_line_errors():
         try:

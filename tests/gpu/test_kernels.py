@@ -134,7 +134,7 @@ def test_graphed_denoise_matches_eager(tmp_path):
     for _ in range(2):  # capture, then replay
         assert rel(graphed.denoise(canvas, kv), want) < 1e-3
         assert rel(graphed.denoise(canvas, kv, sc_probs=sc), want_sc) < 1e-3
-    assert len(graphed.graphs) == 2 and not any(r.failed for r in graphed.model.kernels.regions.values())
+    assert len(graphed.graphs) == 2 and not any(r.failed for r in graphed.model.steps.regions.values())
 
 
 def test_graphed_denoise_with_eager_regions_matches_eager(tmp_path):
@@ -145,7 +145,7 @@ def test_graphed_denoise_with_eager_regions_matches_eager(tmp_path):
     graphed = ModelRunner(eager.model, RuntimeConfig(compile=False))
     for _ in range(2):  # the capture's replay, then a replay
         assert rel(graphed.denoise(canvas, kv), want) < 1e-3
-    kernels = graphed.model.kernels
+    kernels = graphed.model.steps
     assert len(graphed.graphs) and not any(
         r._seen for r in [*kernels.regions.values(), *kernels.prefill_regions.values()]
     )
@@ -292,7 +292,7 @@ def _real_layer_params(seed: int = 0):
 
 
 class _Layer:
-    """A real-shape layer's FFN weights, as the kernel table's FFN steps read them from a `Layer`."""
+    """A real-shape layer's FFN weights, as the FFN steps read them from a `Layer`."""
 
     def __init__(self, p: dict) -> None:
         self.__dict__.update(p)
@@ -302,7 +302,7 @@ class _Layer:
 
 
 def _ffn_half(kernels, layer: _Layer, h, attn, p):
-    """The FFN half of `DiffusionGemma.layer_forward`, step by step through a kernel table."""
+    """The FFN half of `DiffusionGemma.layer_forward`, step by step through a layer's steps (`model.steps`)."""
     h1, x_dense, x_moe, r = kernels.pre_ffn(h, attn, layer, 1e-6, p)
     routing = kernels.route(r, layer, 8, p)
     dense = kernels.dense_mlp(x_dense, layer, 1e-6, p)
@@ -311,8 +311,8 @@ def _ffn_half(kernels, layer: _Layer, h, attn, p):
 
 
 def test_fused_regions_match_eager():
-    from diffgemma.kernels.table import FastKernels, Kernels
     from diffgemma.model.passes import DENOISE, Pass
+    from diffgemma.model.steps import FastSteps, Steps
 
     torch.manual_seed(0)
     eager = regions.make_regions(enabled=False)
@@ -348,9 +348,9 @@ def test_fused_regions_match_eager():
     h = torch.randn(c, 2816, device=DEV, dtype=torch.bfloat16) * 3
     attn = torch.randn(c, 2816, device=DEV, dtype=torch.bfloat16)
     p = Pass(DENOISE, [], c, torch.arange(c, device=DEV), [0])
-    fast_k = FastKernels()
+    fast_k = FastSteps()
     got = _ffn_half(fast_k, layer, h, attn, p)
-    want_eager = _ffn_half(Kernels(), layer, h, attn, p)
+    want_eager = _ffn_half(Steps(), layer, h, attn, p)
     h1 = h + ref.rms_norm(attn, layer.post_attention_layernorm, 1e-6)
     x1 = ref.rms_norm(h1, layer.pre_feedforward_layernorm, 1e-6)
     dense = ref.rms_norm(
@@ -414,7 +414,7 @@ def test_fast_prefill_matches_reference(tmp_path):
         plain.prefill(prompt[:, a:b], kv_plain)
         with torch._dynamo.config.patch(error_on_recompile=i >= 2):
             fast_run.prefill(prompt[:, a:b], kv_fast)
-    prefill_regions = fast_run.model.kernels.prefill_regions
+    prefill_regions = fast_run.model.steps.prefill_regions
     assert not any(r.failed for r in prefill_regions.values()), {
         n: r.failed for n, r in prefill_regions.items()
     }
@@ -525,7 +525,7 @@ def test_commit_graph_matches_eager_commit_and_reference(tmp_path):
                 assert torch.equal(got, exp), i
                 assert rel(got, plain) < (1e-2 if i == 0 else 0.25), i
     assert any(("commit", c) in graphs for _, graphs in graphed.graphs._graphs.values())
-    assert not any(r.failed for r in graphed.model.kernels.regions.values())
+    assert not any(r.failed for r in graphed.model.steps.regions.values())
     assert "triton_softmax" not in dispatch.failed
 
 

@@ -9,10 +9,10 @@ import torch
 
 from diffgemma.config import RuntimeConfig
 from diffgemma.kernels import library
-from diffgemma.quant import pack
 from diffgemma.quant.weight import QuantWeight
 from diffgemma.runner.runner import ModelRunner
 from diffgemma.testing import write_tiny_checkpoint
+from diffgemma.weights import pack
 from diffgemma.weights.loader import load_model
 from tests.conftest import rel
 

@@ -20,6 +20,7 @@ from diffgemma.config import (
     load_sampler_config,
 )
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo, Turn, drive
+from diffgemma.engine.warm_up import warm_up
 from diffgemma.model.kv_cache import KVCache
 from diffgemma.model.model import DiffusionGemma
 from diffgemma.runner.devices import device_and_dtype, set_cpu_threads
@@ -95,8 +96,8 @@ class Engine:
         return self.runner.new_cache(max_tokens or self.max_tokens)
 
     def warm_up(self) -> float:
-        """Compile and capture the fast path before the first request (`ModelRunner.warm_up`); seconds taken."""
-        return self.runner.warm_up(self.sampler)
+        """Compile and capture the fast path before the first request (`engine.warm_up`); seconds taken."""
+        return warm_up(self.runner, self.sampler)
 
     def generate(
         self,

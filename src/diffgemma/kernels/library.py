@@ -43,7 +43,7 @@ def triton_moe_for(x: torch.Tensor, n_pairs: int, gate_up: torch.Tensor | QuantW
         return None
     if isinstance(gate_up, QuantWeight):  # dequantized in the kernels to x's dtype (bf16 under fp32)
         ok = gate_up.fmt in ("int4", "fp8") and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        tm = dispatch.triton("triton_moe", x) if ok else None
+        tm = dispatch.triton("triton_moe", x, fits=ok)
         # fp32 activations (three MMAs a step) on the denoise tiles only, as for bf16 weights
         return None if tm is None or (x.dtype == torch.float32 and not tm.few_pairs(n_pairs, n_exp)) else tm
     if (x.dtype, gate_up.dtype) not in _TRITON_MOE_DTYPES:
@@ -60,9 +60,8 @@ def triton_attn_for(q: torch.Tensor):
     16), else None. Their tiles are sized for 16-bit operands: fp32 ones (a short prompt's prefill) ask for more
     shared memory than an H200 has, and a failure would switch the module off."""
     d = q.shape[-1]
-    if not (q.dtype in (torch.bfloat16, torch.float16) and d >= 16 and d & (d - 1) == 0):
-        return None
-    return dispatch.triton("triton_attn", q)
+    fits = q.dtype in (torch.bfloat16, torch.float16) and d >= 16 and d & (d - 1) == 0
+    return dispatch.triton("triton_attn", q, fits=fits)
 
 
 def moe_experts(

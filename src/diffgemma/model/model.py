@@ -4,8 +4,8 @@ prefill(ids, caches)      causal encoder pass over new tokens; writes their K/V 
 denoise(canvas, caches)   bidirectional decoder pass over canvases [B, C], each after its row's cache, which it
                           reads and never writes; returns logits [B, C, V].
 
-The layers call their steps through a kernel table (`self.kernels`: `kernels.table.Kernels`, the torch reference,
-unless a runner sets fast ones); nothing here picks a backend, captures a graph or chunks a prompt.
+Each layer runs as its steps (`self.steps`: `model.steps.Steps`, the torch reference, unless a runner sets
+`FastSteps`); nothing here picks a backend, captures a graph or chunks a prompt.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from torch import nn
 
 from diffgemma.config import ModelConfig
 from diffgemma.kernels import torch_ref as ops
-from diffgemma.kernels.table import Kernels
 from diffgemma.model.kv_cache import KVCache
 from diffgemma.model.passes import Pass
+from diffgemma.model.steps import Steps
 from diffgemma.quant.weight import QuantWeight, dense
 
 # Embedding rows widened to fp32 at a time by the exact soft embedding: 16,384 x 2,816 x 4 B = 184 MB at the real shape.
@@ -138,7 +138,7 @@ class DiffusionGemma(nn.Module):
             )
             for lt, rc in cfg.rope.items()
         }
-        self.kernels: Kernels = Kernels()  # the step implementations (`runner.ModelRunner` may set fast ones)
+        self.steps: Steps = Steps()  # the step implementations (`runner.ModelRunner` may set fast ones)
 
     @property
     def device(self) -> torch.device:
@@ -259,7 +259,7 @@ class DiffusionGemma(nn.Module):
     def self_conditioned(self, emb: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
         """The canvas's embeddings `emb` plus the SC MLP on the soft signal `soft`, then rms_norm_no_scale."""
         x = ops.rms_norm(soft, self.sc_pre_norm, self.cfg.rms_norm_eps)
-        lin = self.kernels.linear
+        lin = self.steps.linear
         sc = lin(ops.gelu_tanh(lin(x, self.sc_gate)) * lin(x, self.sc_up), self.sc_down)
         return ops.rms_norm(emb + sc, None, self.cfg.rms_norm_eps)
 
@@ -291,7 +291,7 @@ class DiffusionGemma(nn.Module):
         """One layer (seed §2.1): attention, then the dense MLP and the MoE side by side, seven norms in all.
         `x`: this layer's normed input when the layer before made it. Returns (h, the next layer's normed input
         when `next_norm` is given)."""
-        k, eps, dt = self.kernels, self.cfg.rms_norm_eps, h.dtype
+        k, eps, dt = self.steps, self.cfg.rms_norm_eps, h.dtype
         if x is None:
             x = k.norm(h, layer.input_layernorm, eps, p)
         # attention: q/k/v in one GEMM, the per-head norms and RoPE, the phase's attention, o_proj
@@ -311,7 +311,7 @@ class DiffusionGemma(nn.Module):
         h = ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
         head = (self.embed if self.lm_head is None else self.lm_head).to(h.dtype)
         logits = F.linear(h, head) if out is None else torch.mm(h, head.t(), out=out)
-        return logits if raw else self.kernels.softcap(logits, self.cfg.final_logit_softcapping)
+        return logits if raw else self.steps.softcap(logits, self.cfg.final_logit_softcapping)
 
     def inv_freq_for(self, layer: Layer, device: torch.device) -> torch.Tensor:
         # layer.layer_type, not cfg.layer_types[layer.idx]: a compiled layer would specialize on each index

@@ -2,7 +2,7 @@
 runs the engine (attention, routing, the dense MLP, the head, the sampler, the caches, a server); ranks 1.. only
 serve their experts to it (`ModelRunner.follow`).
 
-A layer's expert outputs are the sorted (row, expert) pairs' rows [N * k, H] (`Kernels.experts`). Rank 0
+A layer's expert outputs are the sorted (row, expert) pairs' rows [N * k, H] (`Steps.experts`). Rank 0
 broadcasts each expert call's rows and pair order; each rank computes its experts' pairs, leaves zeros in the
 others, and one reduce sums them on rank 0. Every pair has exactly one owner, so the sum is its owner's value plus
 zeros: rank 0 holds the one-process values exactly, and the combine, the sampler and the cache run on them as in
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from diffgemma.kernels.table import Routing
 from diffgemma.model.passes import COMMIT, DENOISE, PREFILL, TRAIN, Pass
+from diffgemma.model.steps import Routing
 from diffgemma.quant.weight import QuantWeight
 
 # what a call's header codes: its pass phase and its tensors' dtypes
@@ -95,8 +95,8 @@ def shard_experts(model: Any, world: int) -> tuple[int, int]:
     return lo, hi
 
 
-class ExpertParallelKernels:
-    """A kernel table whose `experts` runs this rank's experts [lo, hi); every other step is the wrapped table's.
+class ExpertParallelSteps:
+    """Steps whose `experts` runs this rank's experts [lo, hi); every other step is the wrapped steps'.
     On rank 0 each call is sent to the other ranks first and their pairs summed in by a reduce; ranks 1.. run the
     calls rank 0 sends (`follow`). The pair range is read on the host (no CUDA graphs)."""
 

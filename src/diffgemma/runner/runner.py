@@ -1,21 +1,29 @@
-"""`ModelRunner`: how the model runs. It picks the kernels once from a `RuntimeConfig` and owns everything about
-executing the plain forward fast: the prefill routes and chunks, CUDA graphs and their pools, the staging cache
-of padded prefills, torch.compile'd regions and the warm-up. Generation, conversations and the server call the
-runner, never the model's forward directly."""
+"""`ModelRunner`: how the model runs. It asks `kernels.dispatch` once which kernels a `RuntimeConfig` gets
+(`fast_kernels`), builds the model's steps from the answer, and owns everything about executing the plain
+forward fast: the prefill routes and chunks, CUDA graphs and their pools, the staging cache of padded prefills,
+torch.compile'd regions, and what the engine's warm-up needs. Generation, conversations and the server call the
+runner, never the model's forward directly.
+
+The one difference in behaviour between the kernels (docs/performance.md, "Prefill in chunks at fixed
+positions"): the reference prefills in aligned canvas chunks and a rewind encodes the cut chunk again, so that a
+cache's bytes do not depend on its history; the fast kernels take their fastest routes and a rewind only
+truncates: aligned C-row chunks would multiply a long prompt's passes (and expert weight reads) by
+prefill_chunk / C, and a re-encode on the fast routes would not give back what a fresh prefill's route (a padded
+graph, a commit, one large chunk) wrote."""
 
 from __future__ import annotations
 
-import time
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from diffgemma.config import ModelConfig, RuntimeConfig, SamplerConfig
-from diffgemma.kernels.table import FastKernels, Kernels
+from diffgemma.config import ModelConfig, RuntimeConfig
+from diffgemma.kernels import dispatch
 from diffgemma.model.kv_cache import KVCache
 from diffgemma.model.model import DiffusionGemma
 from diffgemma.model.passes import COMMIT, Pass
+from diffgemma.model.steps import FastSteps, Steps
 from diffgemma.runner import parallel
 from diffgemma.runner.graphs import DenoiseGraphs, GraphStep, full_keys
 
@@ -37,33 +45,27 @@ PREFILL_GRAPH_MAX = 2048
 PREFILL_GRAPH_BUCKET = 256
 
 
-def wants_fast_kernels(config: RuntimeConfig, device: torch.device, dtype: torch.dtype) -> bool:
-    """The kernels a config asks for on this device and dtype: "auto" is fast on CUDA in 16 bits."""
-    if config.kernels == "auto":
-        return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-    return config.kernels == "fast"
-
-
 class ModelRunner:
-    """Runs `model` as `config` says: `prefill`, `denoise` and `rewind` on KV caches, `warm_up` before serving."""
+    """Runs `model` as `config` says: `prefill`, `denoise` and `rewind` on KV caches (`engine.warm_up` compiles it
+    before serving)."""
 
     def __init__(self, model: DiffusionGemma, config: RuntimeConfig | None = None) -> None:
         self.model = model
         self.config = config or RuntimeConfig()
-        self.fast = wants_fast_kernels(self.config, model.device, model.dtype)
+        self.fast = dispatch.fast_kernels(self.config.kernels, model.device, model.dtype)  # the one choice
         if self.fast and self.config.attention_topk and model.device.type != "cuda":
             raise ValueError(
                 "attention_topk on the fast kernels needs a CUDA device (the reference kernels have it)"
             )
-        model.kernels = (
-            FastKernels(compile=self.config.compile, topk=self.config.attention_topk)
+        model.steps = (
+            FastSteps(compile=self.config.compile, topk=self.config.attention_topk)
             if self.fast
-            else Kernels(topk=self.config.attention_topk)
+            else Steps(topk=self.config.attention_topk)
         )
         # expert parallel: this rank's experts, the other ranks' summed in (a host read a layer)
         if self.config.expert_parallel > 1:
             lo, hi = parallel.shard_experts(model, self.config.expert_parallel)
-            model.kernels = parallel.ExpertParallelKernels(model.kernels, lo, hi)
+            model.steps = parallel.ExpertParallelSteps(model.steps, lo, hi)
         self.graphs_on = (
             self.fast
             and self.config.graphs
@@ -82,9 +84,9 @@ class ModelRunner:
     def follow(self) -> None:
         """On ranks 1.. of an expert parallel group: serve this rank's experts to rank 0's forwards until rank 0
         releases the group (`parallel.release`, at its exit if not before). Rank 0 runs the engine."""
-        if not isinstance(self.model.kernels, parallel.ExpertParallelKernels) or self.model.kernels.rank == 0:
+        if not isinstance(self.model.steps, parallel.ExpertParallelSteps) or self.model.steps.rank == 0:
             raise ValueError("follow runs on ranks 1.. of an expert parallel group (expert_parallel > 1)")
-        self.model.kernels.follow(self.model)
+        self.model.steps.follow(self.model)
 
     @property
     def cfg(self) -> ModelConfig:
@@ -251,6 +253,7 @@ class ModelRunner:
         would (`_prefill_aligned`): a rewind restores the K/V bytes of the shorter cache exactly."""
         kv.truncate(pos)
         redo = pos % self.cfg.canvas_length
+        # the fast kernels' prefill routes are not aligned chunks: nothing to restore (see the module's docstring)
         if self.fast or not redo or not kv.knows_tokens() or not kv.can_truncate(pos - redo):
             return
         tokens = kv.tokens[pos - redo :]
@@ -306,7 +309,7 @@ class ModelRunner:
             )
         else:
             logits = forward(canvas, sc_probs)
-        return (logits if raw else model.kernels.softcap(logits, self.cfg.final_logit_softcapping))[None]
+        return (logits if raw else model.steps.softcap(logits, self.cfg.final_logit_softcapping))[None]
 
     def sc_input_buffer(self, kv: KVCache, canvas_len: int) -> torch.Tensor | None:
         """The captured denoise graph's SC input for this cache and canvas length, if there is one ([C, V] in the
@@ -359,36 +362,16 @@ class ModelRunner:
         geo = torch.tensor([kv.denoise_geometry(c) for kv in kvs], dtype=torch.int32)
         return self._geometry[b].copy_(geo)
 
-    # -- compile, graphs, warm-up ------------------------------------------------------------------------
+    # -- graphs and memory ------------------------------------------------------------------------
 
     def release_graphs(self) -> None:
         """Drop the denoise and commit graphs (each tied to the cache it was captured on), their memory pool and
         their shared buffers."""
         self.graphs.clear()
 
-    def warm_up(self, sampler: SamplerConfig) -> float:
-        """Compile the fast path (torch.compile'd regions and Triton kernels, once a process) by generating
-        throwaway replies on caches of their own: a short prompt (prefilled under the sampler's fp32 rule when it
-        is on) and one just past that rule's length (prefilled in the model's dtype), two blocks of three steps
-        each, so that the denoise step with each self-conditioning input and a block's commit run too. Then the
-        graphs tied to those caches are dropped. A server calls it before it takes requests, as vLLM compiles and
-        captures before serving (docs/performance.md, "torch.compile and warm-up"). Returns the seconds taken;
-        0.0 on the reference kernels, where nothing is compiled."""
-        from diffgemma.engine.generate import generate
-
-        if not self.fast:
-            return 0.0
-        t0 = time.perf_counter()
-        canvas, vocab = self.cfg.canvas_length, self.cfg.vocab_size
-        sampler = sampler.replace(max_denoising_steps=3, stop_token_ids=(), empty_reply_retry=0)
-        f32_max = sampler.prefill_f32_max_tokens
-        for n in (min(8, f32_max), f32_max + 1) if f32_max else (8,):
-            ids = [3 + i % (vocab - 3) for i in range(n)]  # past pad, eos and bos
-            kv = self.new_cache(n + 3 * canvas)
-            generate(self, ids, kv, sampler, seed=0, max_new_tokens=2 * canvas)
-            del kv
-        self.release_graphs()
+    def return_memory(self) -> None:
+        """On CUDA: wait for the device, then hand the allocator's cached blocks (a released graph pool's) back to
+        it, for the memory a server plans (`engine.warm_up`)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()  # the graphs' pool back to the device, for the memory a server plans
-        return time.perf_counter() - t0
+            torch.cuda.empty_cache()

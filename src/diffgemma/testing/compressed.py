@@ -1,5 +1,5 @@
 """Tiny DiffusionGemma checkpoints in the community compressed-tensors FP8 layout (llm-compressor's FP8_DYNAMIC),
-written by our own code from `write_tiny_checkpoint`: the layout is described in `diffgemma.quant.community`.
+written by our own code from `write_tiny_checkpoint`: the layout is described in `diffgemma.weights.community`.
 
 The source weights are cast to bf16 (as the released checkpoints are) and each quantized Linear is rounded as
 llm-compressor's min-max observer and compressor do in the weight's dtype: scale = amax / 448 (per output row for

@@ -13,7 +13,7 @@ batch, as ONE joint pass over `[prompt slots | canvas slots]` per row, numerical
   take the decoder's input (`decoder_input`, with or without self-conditioning) and `layer_scalar`;
 * pad slots attend only to themselves (no NaN rows) and nothing attends to them.
 
-The MoE runs "dense" by default: every expert on every row, zero-weighted where unrouted (`Kernels("dense")`),
+The MoE runs "dense" by default: every expert on every row, zero-weighted where unrouted (`Steps("dense")`),
 the same values as the sorted experts without their host reads, which suits a GPU and CUDA graphs; `moe="sparse"`
 takes the sorted experts.
 """
@@ -26,22 +26,22 @@ from collections.abc import Iterator
 import torch
 
 from diffgemma.kernels import torch_ref as ops
-from diffgemma.kernels.table import Kernels
 from diffgemma.model.model import DiffusionGemma, Layer
 from diffgemma.model.passes import Pass
+from diffgemma.model.steps import Steps
 
-KERNELS = {"dense": Kernels(experts="dense"), "sparse": Kernels(experts="sorted")}
+STEPS = {"dense": Steps(experts="dense"), "sparse": Steps(experts="sorted")}
 
 
 @contextlib.contextmanager
-def training_kernels(model: DiffusionGemma, moe: str) -> Iterator[None]:
+def training_steps(model: DiffusionGemma, moe: str) -> Iterator[None]:
     """The model's layers on the reference kernels with the chosen experts, for the duration."""
-    before = model.kernels
-    model.kernels = KERNELS[moe]
+    before = model.steps
+    model.steps = STEPS[moe]
     try:
         yield
     finally:
-        model.kernels = before
+        model.steps = before
 
 
 def positions_and_masks(
@@ -151,7 +151,7 @@ def train_forward(
     nll = torch.zeros((), device=h.device)
     eps = model.cfg.rms_norm_eps
     reads_state, reads_option = state_layer(model), lookup_layer(model)
-    with training_kernels(model, moe):
+    with training_steps(model, moe):
         for layer in model.layers:
             if lookup is not None and layer.idx in (0, reads_state, reads_option):
                 cos, sin = pas.cos_sin(

@@ -23,8 +23,8 @@ from safetensors import SafetensorError, safe_open
 from diffgemma.config import FULL, SLIDING, ConfigError, ModelConfig
 from diffgemma.model.model import DiffusionGemma
 from diffgemma.quant import formats
-from diffgemma.quant.pack import PAD_PREFIX, TORCH_DTYPES, misaligned
 from diffgemma.quant.weight import QuantWeight
+from diffgemma.weights.pack import PAD_PREFIX, TORCH_DTYPES, misaligned
 
 DECODER = "model.decoder."
 ENCODER = "model.encoder.language_model."
@@ -232,7 +232,7 @@ def stored_tensors(
 
         infos, read = _infos(handles, files), read_stored
         if method == "compressed-tensors":  # seen through our pack's names and layout
-            from diffgemma.quant.community import CompressedTensors
+            from diffgemma.weights.community import CompressedTensors
 
             try:
                 community = CompressedTensors(qc, infos, read_stored)

@@ -1,7 +1,8 @@
-"""The kernel table: each step of the model's forward, as a torch reference (`Kernels`, any device) and as fast
-kernels (`FastKernels`: Triton where a kernel serves, through `dispatch`, else torch's library kernels, with the
-small ops between them as `torch.compile`d regions). The model calls its steps through one of these objects and
-never picks a backend itself; `runner.ModelRunner` picks one at construction.
+"""A layer's steps: what one layer's forward does between the kernels (reading the layer's weights by name,
+writing the KV cache, filling in the `Pass`), as the torch reference (`Steps`, any device) and as the fast
+steps (`FastSteps`: `kernels/`'s fast ops where they serve, asked through `kernels.dispatch`, else torch's
+library kernels, with the small ops between them as `torch.compile`d regions). The model calls its steps
+through one of these objects and never picks a backend itself; `runner.ModelRunner` picks one at construction.
 
 Every fast step computes what its reference computes (tests pin them: fp32 on CPU bit for bit where the same
 ops run, tests/gpu on the device). The fast steps prefill one row a pass; several canvases share a pass, their
@@ -51,7 +52,7 @@ def _heads(z: torch.Tensor, b: int) -> torch.Tensor:
     return z.view(b, z.shape[0] // b, z.shape[1], z.shape[2]).transpose(1, 2)
 
 
-class Kernels:
+class Steps:
     """The reference steps: plain torch ops (`torch_ref` and the uncompiled `regions`), any batch, any device."""
 
     fast = False
@@ -190,7 +191,7 @@ def _experts_dense(x, routing: Routing, k: int, gate_up, down) -> torch.Tensor:
     return out[routing.perm // k, routing.ids.reshape(-1)[routing.perm]]
 
 
-class FastKernels(Kernels):
+class FastSteps(Steps):
     """The fast steps for one row: Triton kernels where they serve, library kernels, compiled regions, K/V
     written straight to the cache's slots and the cache geometry read on the device (`Pass.geometry`), so that
     a step can be captured in a CUDA graph. Activations in fp32 on 16-bit weights (a short prompt's prefill,
@@ -219,11 +220,6 @@ class FastKernels(Kernels):
             p.full_keys = [kv.length + p.t for kv in p.caches]
         return p.geometry
 
-    @staticmethod
-    def _wide(x: torch.Tensor, weight: torch.Tensor | QuantWeight) -> bool:
-        """fp32 activations on 16-bit (or quantized) weights: the reference steps serve."""
-        return x.dtype == torch.float32 and (isinstance(weight, QuantWeight) or weight.dtype != torch.float32)
-
     def linear(self, x, w):
         """fp8 weights on CUDA through `library.linear_fp8` (fp8 activations, per row); the reference else."""
         if isinstance(w, QuantWeight) and w.fmt == "fp8" and x.is_cuda and x.dtype == torch.bfloat16:
@@ -233,7 +229,7 @@ class FastKernels(Kernels):
     # -- attention half -----------------------------------------------------------------------------------
 
     def norm(self, x, w, eps, p: Pass):
-        if self._wide(x, w):
+        if dispatch.wide(x, w):
             return super().norm(x, w, eps, p)
         return self._r(p)["norm"](x, w, eps)
 
@@ -247,7 +243,7 @@ class FastKernels(Kernels):
             raise NotImplementedError(
                 "the fast kernels prefill one row a pass; batched rows take the reference"
             )
-        if self._wide(qkv, layer.q_norm):
+        if dispatch.wide(qkv, layer.q_norm):
             if b != 1:
                 raise NotImplementedError("fp32 activations on the fast kernels take one row a pass")
             q, kv = super().qk_norm_rope(qkv, layer, inv_freq, eps, p)
@@ -270,16 +266,16 @@ class FastKernels(Kernels):
             kv_out = p.caches[row].kv[layer.idx]
             geo = self._geometry(p)[row]
             kv_slot = geo[3:4] if layer.sliding else geo[0:1]
-        if hd >= 2 and hd & (hd - 1) == 0:
-            out = dispatch.attempt(
-                "triton_qkv",
-                lambda m: m.norm_rope(
-                    qkv, nq, nkv, layer.sliding, cos, sin, layer.q_norm, layer.k_norm, eps, kv_out, kv_slot
-                ),
-                qkv,
-            )
-            if out is not None:
-                return out
+        out = dispatch.attempt(
+            "triton_qkv",
+            lambda m: m.norm_rope(
+                qkv, nq, nkv, layer.sliding, cos, sin, layer.q_norm, layer.k_norm, eps, kv_out, kv_slot
+            ),
+            qkv,
+            fits=hd >= 2 and hd & (hd - 1) == 0,  # a power-of-two head_dim
+        )
+        if out is not None:
+            return out
         q, k_raw, v = _split_qkv(qkv, layer)
         q, kv_new = self._r(p)["qkv_post"](
             q, k_raw, v, layer.q_norm, layer.k_norm, inv_freq, positions, eps, True
@@ -335,7 +331,7 @@ class FastKernels(Kernels):
     # -- FFN half ----------------------------------------------------------------------------------------
 
     def pre_ffn(self, h, attn, layer, eps, p: Pass):
-        if self._wide(h, layer.router_scale):
+        if dispatch.wide(h, layer.router_scale):
             return super().pre_ffn(h, attn, layer, eps, p)
         return self._r(p)["pre_ffn"](
             h,
@@ -350,7 +346,7 @@ class FastKernels(Kernels):
     def route(self, r, layer, top_k, p: Pass) -> Routing:
         """The Triton top-k and sort (on 16-bit activations of up to ROUTE_FROM_MAX_ROWS rows with the router's
         GEMM inside), else the library GEMM and the compiled region."""
-        if self._wide(r, layer.router_proj):
+        if dispatch.wide(r, layer.router_proj):
             return super().route(r, layer, top_k, p)
         proj, scale = layer.router_proj, layer.per_expert_scale
 
@@ -368,7 +364,7 @@ class FastKernels(Kernels):
     def dense_mlp(self, x, layer, eps, p: Pass):
         """The dense MLP on a second stream on CUDA (it does not depend on the routing): it runs beside the
         experts, and `post_ffn` joins it."""
-        if self._wide(x, layer.mlp_down):
+        if dispatch.wide(x, layer.mlp_down):
             return super().dense_mlp(x, layer, eps, p)
         side = self._side_stream(x)
         if side is not None:
@@ -397,7 +393,7 @@ class FastKernels(Kernels):
             y = dispatch.attempt("triton_moe", kernels, x)
             if y is not None:
                 return y
-        gelu_mul = regions.gelu_mul if self._wide(x, gate_up) else self._r(p)["gelu_mul"]
+        gelu_mul = regions.gelu_mul if dispatch.wide(x, gate_up) else self._r(p)["gelu_mul"]
         return library.experts_grouped(x, perm, bounds[1:], top_k, gate_up, down, gelu_mul)
 
     def post_ffn(self, h, dense, y, routing: Routing, layer, scalar, next_norm, eps, p: Pass):
@@ -405,7 +401,7 @@ class FastKernels(Kernels):
         side = self._side.get(h.device)
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
-        if self._wide(h, layer.post_feedforward_layernorm):
+        if dispatch.wide(h, layer.post_feedforward_layernorm):
             return super().post_ffn(h, dense, y, routing, layer, scalar, next_norm, eps, p)
         args = (
             h,
