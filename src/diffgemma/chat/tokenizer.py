@@ -19,9 +19,9 @@ from diffgemma.chat.template import check_roles, normalize_messages, render_gemm
 
 # The turn-closing and tool-response tokens stop a Gemma 4 reply; used when generation_config has no list.
 _DEFAULT_STOP_TOKENS = ("<turn|>", "<|tool_response>")
-# Client text that spells a control token is swapped for one of these private-use characters while the prompt
-# is rendered, so the template's own control tokens are the only ones the encoder sees (`encode_chat`).
-_SENTINEL_BASE = 0xF0000
+# Every client string gets this private-use mark after each character a control token starts with (`<`), so
+# no control token can start in client text, whatever the template joins; the marks go before encoding.
+_MARK_BASE = 0xF0000
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
@@ -107,6 +107,8 @@ class ChatTokenizer:
         # Longest first, so a regex finds what the tokenizer's own added-token matcher (leftmost-longest) finds.
         specials = sorted({t.content for t in added.values() if t.special}, key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+        # The characters a control token can be assembled from the start of: what client text must not carry.
+        self._control_starts = frozenset(t[0] for t in specials)
         # A twin that reads control-token spellings as text: how client text is tokenized.
         self._text_tokenizer = Tokenizer.from_str(tokenizer.to_str())
         self._text_tokenizer.encode_special_tokens = True
@@ -202,27 +204,29 @@ class ChatTokenizer:
     ) -> list[int]:
         """The prompt's token ids, in which only the template's own structure is control tokens: text from the
         messages and tools (content, tool results, names, arguments, schemas) is tokenized as plain text even
-        where it spells a control token. The ids equal `encode(render(...))` whenever it spells none."""
+        where it spells a control token, whole or in pieces the template joins. The ids equal
+        `encode(render(...))` whenever the text spells and forms none."""
         check_roles(messages)
         # The template drops thought channels from earlier model turns; spelled in their text, they go first.
         messages = [_without_thoughts(m) for m in normalize_messages(messages)]
-        found: set[str] = set()
         chars: set[str] = set()
-        _scan([messages, tools], self._special_re, found, chars)
-        if not found:
+        _scan([messages, tools], chars)
+        starts = sorted(chars & self._control_starts)
+        if not starts:  # no client text holds a character a control token starts with: none can form
             return self.encode(self._render(messages, tools, add_generation_prompt, enable_thinking))
-        sentinels = _sentinels(sorted(found), chars)
-        escaped = _escape([messages, tools], self._special_re, sentinels)
+        mark = _mark(chars)
+        table = {ord(c): c + mark for c in starts}
+        escaped = _escape([messages, tools], table)
         text = self._render(escaped[0], escaped[1], add_generation_prompt, enable_thinking)
-        restore = {ord(c): token for token, c in sentinels.items()}
+        unmark = {ord(mark): None}
         ids: list[int] = []
         pos = 0
         assert self._special_re is not None
         for m in self._special_re.finditer(text):  # the template's control tokens; text between them is data
-            ids += self.encode_text(text[pos : m.start()].translate(restore))
+            ids += self.encode_text(text[pos : m.start()].translate(unmark))
             ids.append(self.tokenizer.token_to_id(m.group()))
             pos = m.end()
-        return ids + self.encode_text(text[pos:].translate(restore))
+        return ids + self.encode_text(text[pos:].translate(unmark))
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
@@ -294,39 +298,33 @@ def _without_thoughts(message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
-def _scan(value: Any, pattern: re.Pattern[str] | None, found: set[str], chars: set[str]) -> None:
-    """Collect the control-token spellings in every string (and mapping key) of `value`, and its characters."""
+def _scan(value: Any, chars: set[str]) -> None:
+    """Collect the characters of every string (and mapping key) in `value`."""
     if isinstance(value, str):
         chars.update(value)
-        if pattern is not None:
-            found.update(pattern.findall(value))
     elif isinstance(value, Mapping):
         for key, item in value.items():
-            _scan(key, pattern, found, chars)
-            _scan(item, pattern, found, chars)
+            _scan(key, chars)
+            _scan(item, chars)
     elif isinstance(value, list | tuple):
         for item in value:
-            _scan(item, pattern, found, chars)
+            _scan(item, chars)
 
 
-def _sentinels(tokens: list[str], used: set[str]) -> dict[str, str]:
-    """One private-use character per control-token spelling, none of which occurs in the client's text."""
-    out: dict[str, str] = {}
-    code = _SENTINEL_BASE
-    for token in tokens:
-        while chr(code) in used:
-            code += 1
-        out[token] = chr(code)
+def _mark(used: set[str]) -> str:
+    """A private-use character that occurs in none of the client's text."""
+    code = _MARK_BASE
+    while chr(code) in used:
         code += 1
-    return out
+    return chr(code)
 
 
-def _escape(value: Any, pattern: re.Pattern[str] | None, sentinels: dict[str, str]) -> Any:
-    """A copy of `value` with every control-token spelling in its strings replaced by its sentinel."""
+def _escape(value: Any, table: dict[int, str]) -> Any:
+    """A copy of `value` with `table` applied to every string and mapping key in it."""
     if isinstance(value, str):
-        return pattern.sub(lambda m: sentinels[m.group()], value) if pattern is not None else value
+        return value.translate(table)
     if isinstance(value, Mapping):
-        return {_escape(k, pattern, sentinels): _escape(v, pattern, sentinels) for k, v in value.items()}
+        return {_escape(k, table): _escape(v, table) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_escape(item, pattern, sentinels) for item in value]
+        return [_escape(item, table) for item in value]
     return value

@@ -6,12 +6,17 @@ sampler config, device, dtype, context and conversations, the platform) followed
 lines in the order the pipeline ran and answered them. Timings are not logged: every logged field must replay
 identically, except that a KV fingerprint is compared only on the platform that recorded it (`platform_of`): elsewhere
 the tokens are still compared and the line says how many fingerprints were not. The file holds prompts' token ids, so
-it is readable by its owner only (as the request log)."""
+it is readable by its owner only (as the request log).
+
+A process killed mid-op (`kill -9`, a crash) leaves its session cut off: a partial last line, and ops without their
+last event (a Generate's `Replied` or `Failed`, any other op's one event). Replay checks such an op's logged events as
+far as they go, ends that session there, says so, and goes on to the sessions after the restart."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import threading
 from collections.abc import Callable
@@ -85,6 +90,18 @@ def header(pipeline: Pipeline) -> dict[str, Any]:
     }
 
 
+def _ends_mid_line(path: Path) -> bool:
+    """Whether the journal at `path` ends inside a line (its writer died mid-record)."""
+    try:
+        with path.open("rb") as f:
+            if f.seek(0, os.SEEK_END) == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except OSError:
+        return False
+
+
 class OpLog:
     """A stage around `inner`: each op with its sequence number, and each event with its op's number, one JSON object
     a line in the order they happened, flushed as written. Ops of a batching worker interleave: a Generate's events
@@ -93,10 +110,13 @@ class OpLog:
     def __init__(self, inner: Pipeline, path: str | Path, label: str | None = None) -> None:
         self.inner = inner
         self.path = Path(path)
+        cut = _ends_mid_line(self.path)
         # whole lines, each one write; one that fails (a full disk) is dropped with a warning, never the request's
         self._file = JournalFile(self.path, "op log")
         self._lock = threading.Lock()
         self._seq = 0
+        if cut:  # the last session was cut off mid-line (a crash): the header must not extend that line
+            self._file.write("")
         self._write({"header": {**header(inner), **({"label": label} if label else {})}})
 
     def _write(self, record: dict[str, Any]) -> None:
@@ -150,47 +170,106 @@ class Session:
     line: int
     header: dict[str, Any]
     steps: list[Step] = field(default_factory=list)
+    last: int = 0  # the line of its last record
+    partial: int | None = None  # its partial last line (a crash cut it), if any
+
+
+# A line that is not JSON, with the header of the session that followed a crash appended to it.
+_HEADER = '{"header":'
+
+
+def _records(line: str) -> tuple[bool, list[Any]]:
+    """The records of one line: (whether it starts with a cut-off record, the whole records). JSONDecodeError when it
+    is not a line of the log, nor a cut-off record followed by a session's header."""
+    try:
+        return False, [json.loads(line)]
+    except json.JSONDecodeError:
+        at = line.rfind(_HEADER)  # json.dumps escapes quotes in strings: only a record starts with it
+        if at <= 0:
+            raise
+        tail = json.loads(line[at:])
+    try:
+        return False, [json.loads(line[:at]), tail]  # cut just before its newline: whole
+    except json.JSONDecodeError:
+        return True, [tail]
 
 
 def read_log(path: str | Path) -> list[Session]:
-    """The sessions of a log file; ValueError naming the line for anything that is not one."""
+    """The sessions of a log file; ValueError naming the line for anything that is not one. A line that is not JSON
+    is a session's partial last line (a crash) when a session's header or the end of the file follows it."""
     sessions: list[Session] = []
     by_seq: dict[int, Step] = {}
+    pending: tuple[int, str] | None = None  # a line that is not JSON, until what follows says it was cut off
+
+    def not_json(n: int, why: str) -> ValueError:
+        return ValueError(f"{path}:{n}: not JSON ({why})")
+
+    def add(n: int, record: Any) -> None:
+        nonlocal by_seq
+        kind = next((k for k in ("header", "op", "event") if isinstance(record, dict) and k in record), None)
+        if kind is None:
+            raise ValueError(f"{path}:{n}: expected one of header, op, event")
+        if kind == "header":
+            sessions.append(Session(n, record["header"], last=n))
+            by_seq = {}
+            return
+        if not sessions:
+            raise ValueError(f"{path}:{n}: {kind} before any header")
+        sessions[-1].last = n
+        if kind == "op":
+            try:
+                step = Step(n, O.from_json(record["op"], O.OPS))
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: {e}") from None
+            sessions[-1].steps.append(step)
+            by_seq[record.get("seq", len(sessions[-1].steps))] = step
+            return
+        step = by_seq.get(record.get("of")) if "of" in record else (sessions[-1].steps or [None])[-1]
+        if step is None:
+            raise ValueError(f"{path}:{n}: event of no op before it")
+        step.events.append(record["event"])
+        step.lines.append(n)
+
+    def cut_at(n: int, why: str) -> None:
+        if not sessions:
+            raise not_json(n, why)
+        sessions[-1].partial = sessions[-1].last = n
+
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                cut, records = _records(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-            kind = next(
-                (k for k in ("header", "op", "event") if isinstance(record, dict) and k in record), None
-            )
-            if kind is None:
-                raise ValueError(f"{path}:{n}: expected one of header, op, event")
-            if kind == "header":
-                sessions.append(Session(n, record["header"]))
-                by_seq = {}
+                if pending is not None:
+                    raise not_json(*pending) from None
+                pending = (n, str(e))
                 continue
-            if not sessions:
-                raise ValueError(f"{path}:{n}: {kind} before any header")
-            if kind == "op":
-                try:
-                    step = Step(n, O.from_json(record["op"], O.OPS))
-                except ValueError as e:
-                    raise ValueError(f"{path}:{n}: {e}") from None
-                sessions[-1].steps.append(step)
-                by_seq[record.get("seq", len(sessions[-1].steps))] = step
-                continue
-            step = by_seq.get(record.get("of")) if "of" in record else (sessions[-1].steps or [None])[-1]
-            if step is None:
-                raise ValueError(f"{path}:{n}: event of no op before it")
-            step.events.append(record["event"])
-            step.lines.append(n)
+            if pending is not None:  # cut off only if a session starts after it
+                if cut or not (isinstance(records[0], dict) and "header" in records[0]):
+                    raise not_json(*pending)
+                cut_at(*pending)
+                pending = None
+            if cut:
+                cut_at(n, "a cut-off record")
+            for record in records:
+                add(n, record)
+    if pending is not None:
+        cut_at(*pending)
     if not sessions:
         raise ValueError(f"{path}: no session in it (an empty log)")
     return sessions
+
+
+def finished(step: Step) -> bool:
+    """Whether an op's last event was logged: a Generate's `Replied` or `Failed`, any other op's one event (a Cancel
+    has none)."""
+    if isinstance(step.op, O.Cancel):
+        return True
+    if isinstance(step.op, O.Generate):
+        return any(ev.get("type") in ("Replied", "Failed") for ev in step.events)
+    return bool(step.events)
 
 
 class AfterSteps(CancelToken):
@@ -262,7 +341,8 @@ def _replay(
     ops = events = unchecked = 0
     here = platform_of(engine)
     elsewhere = ""
-    for session in sessions:
+    cuts: list[str] = []
+    for k, session in enumerate(sessions, 1):
         hdr = session.header
         foreign = hdr.get("platform", here) != here  # a log from before the platform was recorded: this one's
         if foreign:
@@ -272,10 +352,16 @@ def _replay(
             engine.sampler = pipeline.sampler(hdr["sampler"])
         # A Generate runs at its op's line and ends (its conversation free again, its Replied emitted) at its last
         # event's line, as under the batching worker; everything else runs and answers at its op's line.
+        # An op cut off by a crash never ended: its logged events are checked as far as they go, a Generate's
+        # conversation stays busy to the session's end as it did, and any other op (the worker's last) is not run.
+        unfinished = [step for step in session.steps if not finished(step)]
+        cut = {id(step) for step in unfinished}
         timeline: list[tuple[int, int, Step]] = []
         for step in session.steps:
+            if not isinstance(step.op, O.Generate) and id(step) in cut:
+                continue
             timeline.append((step.line, 0, step))
-            if isinstance(step.op, O.Generate) and step.lines:
+            if isinstance(step.op, O.Generate) and step.lines and id(step) not in cut:
                 timeline.append((step.lines[-1], 1, step))
         flight: dict[int, tuple[Any, list[dict[str, Any]]]] = {}
         for _, phase, step in sorted(timeline, key=lambda t: (t[0], t[1])):
@@ -299,19 +385,34 @@ def _replay(
                     request = pipeline.begin_generate(step.op, emit, **kw)
                     if request is not None:
                         _run_alone(pipeline, request)
-                        flight[id(step)] = (request, got)
-                        continue
+                        if id(step) not in cut:
+                            flight[id(step)] = (request, got)
+                            continue
                 else:
                     pipeline.run(step.op, emit, **kw)
+            if id(step) in cut:  # what a crash left of it: more replayed than logged is no difference
+                got = got[: len(step.events)]
             same, line, skipped = _compare(step, got, hdr, foreign)
             if not same:
                 return False, line
             events += len(got) - skipped
             unchecked += skipped
+        if unfinished or session.partial is not None:
+            cuts.append(_cut(k, session, unfinished))
     line = f"identical: {len(sessions)} session(s), {ops} ops, {events} events"
     if unchecked:
         line += f"; {unchecked} KV fingerprints not compared (recorded on {elsewhere}, this is {here})"
-    return True, line
+    return True, "".join([line, *(f"; {c}" for c in cuts)])
+
+
+def _cut(k: int, session: Session, unfinished: list[Step]) -> str:
+    """What a crash left of session k: where it ends, its partial line, its ops checked only as far as logged."""
+    what = [f"a partial line {session.partial}"] if session.partial is not None else []
+    what += [
+        f"{type(s.op).__name__} at line {s.line} unfinished, checked as far as logged" for s in unfinished
+    ]
+    where = f"session {k} (line {session.line}{_label(session.header)})"
+    return f"{where} cut off at line {session.last} (a crash: {', '.join(what)})"
 
 
 def _run_alone(pipeline: Pipeline, request: Any) -> None:
