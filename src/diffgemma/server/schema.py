@@ -508,6 +508,9 @@ class SamplerFields(_Shape):
     commit_conf_trim: float | None = Field(
         None, description="cut a block at its first unsure duplicated row, below this confidence (0: off)"
     )
+    pad_block_stop: bool | None = Field(
+        None, description="a committed block of only pad and filler ids ends the reply (finish_reason stop)"
+    )
 
     def sampler_changes(self) -> dict[str, Any]:
         """The sampler fields this request set."""
