@@ -182,7 +182,8 @@ def test_chat_logprobs(server) -> None:
         model=MODEL, messages=USER, max_tokens=12, seed=3, logprobs=True, top_logprobs=3
     )
     entries = r.choices[0].logprobs.content
-    assert len(entries) == r.usage.completion_tokens
+    # the reply's text tokens: usage counts every generated one, pad included (tests/server/test_demo_replies.py)
+    assert 0 < len(entries) <= r.usage.completion_tokens and "<pad>" not in [e.token for e in entries]
     for e in entries:
         tops = [t.logprob for t in e.top_logprobs]
         assert len(tops) == 3 and tops == sorted(tops, reverse=True) and e.logprob <= 0
@@ -203,7 +204,8 @@ def test_chat_logprobs(server) -> None:
 def test_completion_logprobs(server) -> None:
     r = server.client().completions.create(model=MODEL, prompt="Once upon", max_tokens=8, seed=2, logprobs=2)
     lp = r.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert 0 < len(lp.tokens) <= r.usage.completion_tokens  # the text's tokens, of every generated one
     assert all(
         len(top) <= 2 and max(top.values()) == p
         for top, p in zip(lp.top_logprobs, lp.token_logprobs, strict=True)
