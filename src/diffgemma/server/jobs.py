@@ -29,9 +29,9 @@ from diffgemma.chat.parser import (
 from diffgemma.chat.tokenizer import ChatTokenizer
 from diffgemma.config import SamplerConfig
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo, TokenLogprob
-from diffgemma.server.errors import APIError
+from diffgemma.server.errors import APIError, invalid
 from diffgemma.server.metrics import Metrics
-from diffgemma.server.schema import ChatRequest, CompletionRequest
+from diffgemma.server.schema import COMPLETION_MAX_TOKENS, ChatRequest, CompletionRequest
 from diffgemma.server.toolturns import ToolRound, ToolRounds
 from diffgemma.server.worker import Channel, Run, Steps
 from diffgemma.session import ops as O
@@ -179,6 +179,20 @@ def text_cut(ids: list[int], pieces: Callable[[int], str], limit: int) -> int:
     return len(ids)
 
 
+def refuse_beyond_context(max_tokens: int | None, prompt: int, budget: int) -> None:
+    """vLLM's rule: a `max_tokens` that the context cannot hold after the prompt is a 400 (`budget`, what the routes
+    capped it at, is what is left), not a silently shorter reply. A client that sends a large max_tokens by default
+    (opencode's 32,000) then learns the context is too small, and a compaction that cannot fit fails at once.
+    Checked where the job is made, before a streamed reply's 200 is sent."""
+    if max_tokens is not None and max_tokens > budget:
+        raise invalid(
+            f"max_tokens is {max_tokens} and the prompt {prompt} tokens: {prompt + max_tokens} is more than this "
+            f"server's context of {prompt + budget} tokens; ask for at most {budget}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+
+
 def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
@@ -285,6 +299,7 @@ class ChatJob(_Base):
         cancel: CancelToken,
         tool_rounds: ToolRounds | None = None,
     ) -> None:
+        refuse_beyond_context(request.max_tokens, len(ids) + len(forced), max_new)
         super().__init__(ids, max_new, metrics, channel, cancel)
         self.req = request
         self.forced = forced  # reply tokens the prompt forces (tool_choice required / named)
@@ -511,6 +526,10 @@ class CompletionJob(_Base):
         channel: Channel,
         cancel: CancelToken,
     ) -> None:
+        refuse_beyond_context(request.max_tokens, len(ids), max_new)
+        # OpenAI's legacy API and vLLM: 16 without max_tokens (capped as any budget, never refused)
+        if request.max_tokens is None:
+            max_new = min(max_new, COMPLETION_MAX_TOKENS)
         super().__init__(ids, max_new, metrics, channel, cancel)
         self.req = request
         self.tok = tokenizer

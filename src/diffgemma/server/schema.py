@@ -42,7 +42,7 @@ DEFAULT_SEED = 42
 MAX_STOP = 16
 MAX_DEPTH = 64  # nesting levels of a request body: deeper is refused before anything walks it
 MAX_TOP_LOGPROBS = 20
-COMPLETION_MAX_TOKENS = 16  # a /v1/completions budget without `max_tokens` (chat: to a stop or the end)
+COMPLETION_MAX_TOKENS = 16  # /v1/completions without `max_tokens` (`jobs.CompletionJob`)
 THINKING_EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
 MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio", "file")
 ROLE_FIELDS = {
@@ -728,8 +728,6 @@ def parse_completion(body: dict[str, Any], model_id: str, sampler: SamplerConfig
     comp = _validate(CompletionBody, body, model_id)
     params, _ = _common(comp, model_id, sampler)
     params.logprobs = comp.logprobs
-    if params.max_tokens is None:  # OpenAI's legacy API and vLLM: a completion without `max_tokens` takes 16
-        params.max_tokens = COMPLETION_MAX_TOKENS
     return CompletionRequest(**vars(params), prompt=comp.prompt, echo=comp.echo)
 
 
