@@ -51,7 +51,8 @@ def test_reference_switches_every_divergence_off():
     ref = SamplerConfig().reference()
     assert not ref.denoiser_argmax and not ref.first_step_sc_seed and not ref.pad_gate and not ref.sc_sparse
     assert ref.plateau_steps == ref.entropy_stop == ref.empty_reply_retry == ref.commit_conf_trim == 0
-    assert ref.prefill_f32_max_tokens == 0 and not ref.canvas_shrink
+    assert ref.prefill_f32_max_tokens == 0 and not ref.canvas_shrink and not ref.pad_block_stop
+    assert SamplerConfig().pad_block_stop  # on by default, as every other divergence
 
 
 def test_env_overrides_parse_and_reject(tmp_path):

@@ -196,6 +196,7 @@ def fixed_steps_sampler(steps: int) -> SamplerConfig:
         entropy_stop=0.0,
         empty_reply_retry=0,
         commit_conf_trim=0.0,
+        pad_block_stop=False,
         prefill_f32_max_tokens=0,
     ).validated()
 

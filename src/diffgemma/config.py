@@ -433,6 +433,11 @@ class SamplerConfig:
     entropy_stop_min_steps: int = 12
     empty_reply_retry: int = 3  # 10: re-roll a first block that opens on a stop/pad token, canvas halving
     commit_conf_trim: float = 0.9  # 11: cut a block at the first low-confidence duplicated row (0 = off)
+    # Ours, beyond the seed's list: a committed block of nothing but pad and filler ends the reply ("stop"), its
+    # blanks dropped. The block has nothing left to say, yet without it the turn commits such blocks until the
+    # budget or the context ends (the demo model with thinking on streamed blanks to 8,164 tokens); the reference
+    # runs to max_new_tokens.
+    pad_block_stop: bool = True
 
     def reference(self) -> SamplerConfig:
         """The same config with every divergence from the transformers reference switched off."""
@@ -448,6 +453,7 @@ class SamplerConfig:
             entropy_stop=0.0,
             empty_reply_retry=0,
             commit_conf_trim=0.0,
+            pad_block_stop=False,
         )
 
     def replace(self, **changes: Any) -> SamplerConfig:

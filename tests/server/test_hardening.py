@@ -44,10 +44,29 @@ def test_a_prompt_past_the_context_is_a_400_naming_both_numbers(short_server) ->
     assert prompt > 200 and "context is 200 tokens" in error["message"]
 
 
-def test_max_tokens_is_capped_at_what_the_context_leaves(short_server, script) -> None:
-    script(list(range(300, 700)))  # a reply that would never stop
-    r = short_server.client().chat.completions.create(model=MODEL, messages=USER, max_tokens=32000)
+def test_max_tokens_beyond_what_the_context_leaves_is_a_400(short_server, script) -> None:
+    # vLLM's rule: prompt + max_tokens past the context is refused (opencode's compaction asks for 32,000), streamed
+    # or not, before any reply starts
+    for stream in (False, True):
+        body = {"model": MODEL, "messages": USER, "max_tokens": 32000, "stream": stream}
+        r = httpx.post(short_server.base + CHAT, json=body, timeout=30)
+        error = r.json()["error"]
+        assert r.status_code == 400 and (error["code"], error["param"]) == (
+            "context_length_exceeded",
+            "max_tokens",
+        )
+        assert "max_tokens is 32000" in error["message"] and "context of 200 tokens" in error["message"]
+        left = int(error["message"].split("ask for at most ")[1])
+    script(list(range(300, 700)), list(range(300, 700)))  # replies that would never stop
+    r = short_server.client().chat.completions.create(model=MODEL, messages=USER, max_tokens=left)
     assert r.usage.total_tokens == 200
+    body = {"model": MODEL, "prompt": list(range(5, 195)), "max_tokens": 11}
+    r = httpx.post(short_server.base + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "ask for at most 10" in r.json()["error"]["message"]
+    # a completion's default of 16 is capped at what is left, never refused
+    del body["max_tokens"]
+    r = httpx.post(short_server.base + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == 200
 
 
 def test_without_max_tokens_a_reply_runs_to_the_context(short_server, script) -> None:
@@ -183,7 +202,8 @@ def test_chat_logprobs(server) -> None:
         model=MODEL, messages=USER, max_tokens=12, seed=3, logprobs=True, top_logprobs=3
     )
     entries = r.choices[0].logprobs.content
-    assert len(entries) == r.usage.completion_tokens
+    # the reply's text tokens: usage counts every generated one, pad included (tests/server/test_demo_replies.py)
+    assert 0 < len(entries) <= r.usage.completion_tokens and "<pad>" not in [e.token for e in entries]
     for e in entries:
         tops = [t.logprob for t in e.top_logprobs]
         assert len(tops) == 3 and tops == sorted(tops, reverse=True) and e.logprob <= 0
@@ -204,7 +224,8 @@ def test_chat_logprobs(server) -> None:
 def test_completion_logprobs(server) -> None:
     r = server.client().completions.create(model=MODEL, prompt="Once upon", max_tokens=8, seed=2, logprobs=2)
     lp = r.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert 0 < len(lp.tokens) <= r.usage.completion_tokens  # the text's tokens, of every generated one
     assert all(
         len(top) <= 2 and max(top.values()) == p
         for top, p in zip(lp.top_logprobs, lp.token_logprobs, strict=True)

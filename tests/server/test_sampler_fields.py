@@ -86,6 +86,7 @@ def test_every_field_reaches_the_sampler(server, runs) -> None:
         entropy_stop_min_steps=2,
         empty_reply_retry=1,
         commit_conf_trim=0.5,
+        pad_block_stop=False,
     )
     assert set(fields) == set(SamplerFields.model_fields)
     for path in (CHAT, COMP):

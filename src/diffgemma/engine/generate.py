@@ -287,8 +287,9 @@ class Turn:
     pipeline). `propose` prefills what the last commit left pending and denoises the next canvas (reading the cache,
     never writing it); `commit(kept_len)` takes the proposal's first kept_len tokens; `discard` re-rolls it (the
     next retry's seed, half the canvas: seed §9 #10). A commit ends the turn when the token after the kept ones is a
-    stop token ("stop"), or when the budget or the block limit is used up ("length"); a commit cut before a stop
-    token (the confidence trim) leaves the rest to the next block. `out` is the reply so far.
+    stop token or the block is nothing but pad/filler (`pad_block_stop`, the blanks dropped) ("stop"), or when the
+    budget or the block limit is used up ("length"); a commit cut before a stop token (the confidence trim) leaves
+    the rest to the next block. `out` is the reply so far.
 
     Between calls `kv` holds the prompt and every committed block but the last (which the caller prefills with
     whatever follows it), so a turn stopped anywhere leaves the cache consistent."""
@@ -312,6 +313,7 @@ class Turn:
         )  # fmt: skip
         self.prompt_ids = list(prompt_ids)  # the uncached prompt the turn prefills first
         self.stop_ids = set(cfg.stop_token_ids)
+        self.blank_ids = {cfg.pad_token_id, S.filler_id(model.cfg.vocab_size)}  # no text: `pad_block_stop`
         canvas_len = model.cfg.canvas_length
         self.max_blocks = -(-max_new // canvas_len) * (2 if cfg.commit_conf_trim > 0 else 1)  # trim headroom
         self.out = GenerateOutput(token_ids=[], prompt_tokens=len(prompt_ids))
@@ -412,6 +414,12 @@ class Turn:
         kept = prop.tokens[:kept_len][: self.remaining]
         out.blocks += 1
         out.cached_tokens = len(out.token_ids)
+        if self._blank(prop, kept):
+            # Nothing left to say: the blanks are no text, so they leave the reply (and are never prefilled).
+            self.proposal = None
+            self.done = True
+            out.finish_reason = "stop"
+            return []
         out.token_ids += kept
         out.logprobs += (prop.logprobs or [])[: len(kept)]
         self.proposal = None
@@ -427,6 +435,14 @@ class Turn:
             self.retry = 0
             self.length = self._canvas_length()
         return kept
+
+    def _blank(self, prop: Proposal, kept: list[int]) -> bool:
+        """`pad_block_stop`: the kept tokens and the rest of the proposal before its stop token are all pad/filler."""
+        if not self.cfg.pad_block_stop or not kept:
+            return False
+        # the whole answer region, not only the kept rows: a confidence cut after a leading pad keeps the text after it
+        end = len(prop.tokens) if prop.stop_at is None else prop.stop_at
+        return all(t in self.blank_ids for t in kept) and all(t in self.blank_ids for t in prop.tokens[:end])
 
     def _pending_proposal(self) -> Proposal:
         if self.proposal is None:

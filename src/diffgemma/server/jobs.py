@@ -16,14 +16,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffgemma.chat import questions as Q
-from diffgemma.chat.parser import BadCall, Content, Event, Reasoning, StreamParser, ToolCall, coalesce
+from diffgemma.chat.parser import (
+    BadCall,
+    Content,
+    Event,
+    Reasoning,
+    StreamParser,
+    ToolCall,
+    _IncrementalText,
+    coalesce,
+)
 from diffgemma.chat.tokenizer import ChatTokenizer
 from diffgemma.config import SamplerConfig
 from diffgemma.engine.engine import ContextOverflow
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo, TokenLogprob
-from diffgemma.server.errors import APIError
+from diffgemma.server.errors import APIError, invalid
 from diffgemma.server.metrics import Metrics
-from diffgemma.server.schema import ChatRequest, CompletionRequest
+from diffgemma.server.schema import COMPLETION_MAX_TOKENS, ChatRequest, CompletionRequest
 from diffgemma.server.toolturns import ToolRound, ToolRounds
 from diffgemma.server.worker import Channel, Run, Steps
 from diffgemma.session import ops as O
@@ -148,6 +157,43 @@ class StopFilter:
         return out
 
 
+# The reply grammar's control tokens (`chat.parser`): they frame the reasoning and the tool calls, which chat logprobs
+# cover as documented, so they are listed although no text spells them.
+GRAMMAR_TOKENS = ("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>', "<|tool_response>")
+
+
+def listed_logprobs(
+    logprobs: list[TokenLogprob], keep: Callable[[int], bool], cut: int | None = None
+) -> list[TokenLogprob]:
+    """The logprobs of the reply's text: its first `cut` tokens (all without), less those `keep` refuses."""
+    return [t for t in logprobs[:cut] if keep(t.token_id)]
+
+
+def text_cut(ids: list[int], pieces: Callable[[int], str], limit: int) -> int:
+    """How many of `ids` reach into the first `limit` characters of the text `pieces` (each token's new text, in
+    order) spell: a stop string cut the text there, and the tokens after it are no part of the reply."""
+    seen = 0
+    for i, t in enumerate(ids):
+        before, seen = seen, seen + len(pieces(t))
+        if seen > limit:
+            return i + 1 if before < limit else i
+    return len(ids)
+
+
+def refuse_beyond_context(max_tokens: int | None, prompt: int, budget: int) -> None:
+    """vLLM's rule: a `max_tokens` that the context cannot hold after the prompt is a 400 (`budget`, what the routes
+    capped it at, is what is left), not a silently shorter reply. A client that sends a large max_tokens by default
+    (opencode's 32,000) then learns the context is too small, and a compaction that cannot fit fails at once.
+    Checked where the job is made, before a streamed reply's 200 is sent."""
+    if max_tokens is not None and max_tokens > budget:
+        raise invalid(
+            f"max_tokens is {max_tokens} and the prompt {prompt} tokens: {prompt + max_tokens} is more than this "
+            f"server's context of {prompt + budget} tokens; ask for at most {budget}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+
+
 def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
@@ -237,6 +283,7 @@ class _Attempt:
     calls: list[dict[str, Any]]
     bad_calls: int  # tool calls that did not parse (or that tool_choice "none" did not allow): never content
     streamed: bool  # some event already reached the client, so a retry would repeat it
+    stop_at: int | None = None  # where a stop string cut the content (characters), None if none did
 
 
 class ChatJob(_Base):
@@ -253,6 +300,7 @@ class ChatJob(_Base):
         cancel: CancelToken,
         tool_rounds: ToolRounds | None = None,
     ) -> None:
+        refuse_beyond_context(request.max_tokens, len(ids) + len(forced), max_new)
         super().__init__(ids, max_new, metrics, channel, cancel)
         self.req = request
         self.forced = forced  # reply tokens the prompt forces (tool_choice required / named)
@@ -309,7 +357,7 @@ class ChatJob(_Base):
                 cached_tokens=min(out.reused_tokens, len(self.ids)),
                 steps=out.steps,
                 attempts=i + 1,
-                logprobs=out.logprobs if req.logprobs is not None else None,
+                logprobs=self._listed(att) if req.logprobs is not None else None,
             )
         )
         if not self.cancel.cancelled:
@@ -318,6 +366,24 @@ class ChatJob(_Base):
     def _emit(self, delta: Delta) -> None:
         self._first_block()
         self.channel.put(delta)
+
+    def _listed(self, att: _Attempt) -> list[TokenLogprob]:
+        """The logprobs of the reply's tokens that make its text (its content, reasoning and tool calls, grammar
+        included): not pad, filler or another control token that no text spells, nor a token after a stop string."""
+        tok, ids = self.tok, att.out.token_ids
+        grammar = {tok.token_to_id(t) for t in GRAMMAR_TOKENS}
+        cut = None
+        if att.stop_at is not None:  # where the content reached the stop string, through a parser of its own
+            parser = StreamParser(tok, thinking_open=self.tool_rounds is not None)
+            parser.feed(self.forced)
+
+            def content(t: int) -> str:
+                return "".join(e.text for e in parser.feed([t]) if isinstance(e, Content))
+
+            cut = text_cut(ids, content, att.stop_at)
+        return listed_logprobs(
+            att.out.logprobs, lambda t: t in grammar or tok.decode([t], skip_special=True) != "", cut
+        )
 
     def _canvas_frames(self) -> CanvasFrames:
         return CanvasFrames(self.tok, self.req.canvas_ms, self.channel.put)
@@ -395,7 +461,9 @@ class ChatJob(_Base):
         else:
             finish = "stop" if out.finish_reason == "cancelled" else out.finish_reason
         streamed = emit is not None and bool(events)
-        return _Attempt(out, events, finish, "".join(content), calls, state["bad"], streamed)
+        text = "".join(content)
+        stop_at = len(text) if stops.hit else None
+        return _Attempt(out, events, finish, text, calls, state["bad"], streamed, stop_at)
 
     def _problem(self, att: _Attempt) -> str | None:
         choice = self.req.tool_choice
@@ -459,6 +527,10 @@ class CompletionJob(_Base):
         channel: Channel,
         cancel: CancelToken,
     ) -> None:
+        refuse_beyond_context(request.max_tokens, len(ids), max_new)
+        # OpenAI's legacy API and vLLM: 16 without max_tokens (capped as any budget, never refused)
+        if request.max_tokens is None:
+            max_new = min(max_new, COMPLETION_MAX_TOKENS)
         super().__init__(ids, max_new, metrics, channel, cancel)
         self.req = request
         self.tok = tokenizer
@@ -469,6 +541,7 @@ class CompletionJob(_Base):
         cancel = LinkedCancel(self.cancel)
         generated: list[int] = []
         sent = 0  # characters of the decoded reply already sent
+        returned: list[str] = []  # the text sent (cut at a stop string)
 
         def on_block(ids: list[int]) -> None:
             nonlocal sent
@@ -480,6 +553,7 @@ class CompletionJob(_Base):
             piece = stops.push(text[sent:])
             sent = len(text)
             if piece:
+                returned.append(piece)
                 self.channel.put(Delta("content", piece))
             if stops.hit:
                 cancel.cancel()
@@ -496,6 +570,7 @@ class CompletionJob(_Base):
         text = self._decode(generated)
         piece = stops.push(text[sent:]) + stops.flush()
         if piece:
+            returned.append(piece)
             self.channel.put(Delta("content", piece))
         finish = "stop" if stops.hit else ("cancelled" if self.cancel.cancelled else out.finish_reason)
         self.metrics.finished.inc(reason=finish)
@@ -506,9 +581,23 @@ class CompletionJob(_Base):
                 completion_tokens=len(out.token_ids),
                 cached_tokens=min(out.reused_tokens, len(self.ids)),
                 steps=out.steps,
-                logprobs=out.logprobs if self.req.logprobs is not None else None,
+                logprobs=self._listed(out, stops.hit, len("".join(returned)))
+                if self.req.logprobs is not None
+                else None,
             )
         )
+
+    def _listed(self, out: GenerateOutput, stopped: bool, returned: int) -> list[TokenLogprob]:
+        """The logprobs of the tokens `text` is decoded from: not pad, filler or a control token (they decode to
+        nothing), nor a token after a stop string. Without a tokenizer there is no text: every token."""
+        tok = self.tok
+        if tok is None:
+            return out.logprobs
+        cut = None
+        if stopped:  # `returned` characters of the text were sent
+            text = _IncrementalText(lambda ids: tok.decode(ids, skip_special=True))
+            cut = text_cut(out.token_ids, text.push, returned)
+        return listed_logprobs(out.logprobs, lambda t: tok.decode([t], skip_special=True) != "", cut)
 
     def _decode(self, ids: list[int]) -> str:
         if self.tok is None:

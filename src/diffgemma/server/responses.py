@@ -1,8 +1,9 @@
 """OpenAI response bodies: chat.completion, text_completion and their server-sent-event chunks.
 
-Log probabilities (when a request asks) cover every generated token of the reply (a chat reply's reasoning and
-tool-call tokens too), from the committing denoise step's logits at temperature 1; a streamed reply carries them
-all in its final chunk, as its tokens commit in blocks.
+Log probabilities (when a request asks) cover the tokens of the reply's text (`jobs.listed_logprobs`): a completion's
+`text`, a chat reply's content, reasoning and tool calls (with the grammar tokens that frame them), never pad, filler
+or a token after a stop string; each from the committing denoise step's logits at temperature 1. A streamed reply
+carries them all in its final chunk, as its tokens commit in blocks.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ DEFAULT_SEED = 42
 MAX_STOP = 16
 MAX_DEPTH = 64  # nesting levels of a request body: deeper is refused before anything walks it
 MAX_TOP_LOGPROBS = 20
+COMPLETION_MAX_TOKENS = 16  # /v1/completions without `max_tokens` (`jobs.CompletionJob`)
 THINKING_EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
 MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio", "file")
 ROLE_FIELDS = {
@@ -507,6 +508,9 @@ class SamplerFields(_Shape):
     )
     commit_conf_trim: float | None = Field(
         None, description="cut a block at its first unsure duplicated row, below this confidence (0: off)"
+    )
+    pad_block_stop: bool | None = Field(
+        None, description="a committed block of only pad and filler ids ends the reply (finish_reason stop)"
     )
 
     def sampler_changes(self) -> dict[str, Any]:
