@@ -187,3 +187,70 @@ def test_compare_hf_without_transformers_is_one_line_and_exit_2():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "compare_hf: error: transformers is not installed" in proc.stderr
+
+
+SHORT = ["--contexts", "64", "--gen-steps", "2", "--fixed-steps", "2", "--gen-prompt", "40"]
+
+
+def test_bare_bench_on_cpu_measures_the_demo_model_and_says_so(tmp_path):
+    import torch
+
+    out = tmp_path / "bench.json"
+    cpu = ["--device", "cpu"] if torch.cuda.is_available() else []  # bare, as on a machine without a GPU
+    proc = subprocess.run(
+        [sys.executable, "-m", "diffgemma.cli", "bench", *cpu, *SHORT, "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    said = [line for line in proc.stderr.splitlines() if "bench on CPU" in line]
+    assert len(said) == 1 and "measuring the bundled demo model" in said[0] and "--real" in said[0]
+    assert "| denoise step ms | 64 |" in proc.stdout  # the results table
+    data = json.loads(out.read_text())
+    assert data["weights"] == f"checkpoint {bundled_model()}" and data["dtype"] == "float32"
+    assert data["diffgemma"]["denoise_step_ms"]["64"] > 0 and data["threads"] == 1
+
+
+def test_the_real_shape_on_cpu_is_refused_before_allocating_when_it_cannot_fit(monkeypatch):
+    import torch
+
+    import diffgemma.bench as B
+
+    weights, cache = B.random_model_bytes(B.REAL_CONFIG, torch.bfloat16, 1024)
+    assert 47 < weights / B.GIB < 50  # 25.8B parameters in two bytes each
+    monkeypatch.setattr(B, "cpu_available_bytes", lambda: 8 * B.GIB)
+    monkeypatch.setattr(B, "random_model", lambda *a, **k: pytest.fail("allocated before refusing"))
+    with pytest.raises(ValueError) as refused:
+        run(BenchOptions(real=True, device="cpu", dtype="bfloat16", contexts="1024"))
+    need = (weights + cache + B.GIB) / B.GIB
+    assert str(refused.value).startswith(
+        f"the real 26B-A4B shape needs ~{need:.1f} GiB in bfloat16 ({weights / B.GIB:.1f} of weights"
+    )
+    assert "this machine has 8.0 GiB available" in str(refused.value)
+    monkeypatch.undo()
+    monkeypatch.setattr(B, "cpu_available_bytes", lambda: 8 * B.GIB)
+    run(BenchOptions(tiny=True, device="cpu", contexts="64", gen_steps=0, fixed_steps=0))  # the tiny one fits
+
+
+def test_the_real_shape_refusal_is_one_line_through_the_cli():
+    import torch
+
+    import diffgemma.bench as B
+
+    weights, cache = B.random_model_bytes(B.REAL_CONFIG, torch.float32, 1024)
+    available = B.cpu_available_bytes()
+    if available is None or available > weights + cache + B.GIB:
+        pytest.skip("this machine holds the real shape in float32")
+    proc = subprocess.run(
+        [sys.executable, "-m", "diffgemma.cli", "bench", "--real", "--device", "cpu", "--contexts", "1024"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert (
+        lines[0].startswith("diffgemma: error: the real 26B-A4B shape needs ~")
+        and "GiB available" in lines[0]
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "diffgemma.cli", "bench", "--real", "--tiny"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "pass one of them" in proc.stderr

@@ -205,3 +205,179 @@ def test_train_and_eval_commands_exit_zero(tmp_path):
     proc = run("eval", "-m", str(out), "--n", "1", "--tasks", "arith", "--device", "cpu")
     assert proc.returncode == 0, proc.stderr
     assert "arith" in proc.stdout and "overall" in proc.stdout
+
+
+def one_error_line(proc) -> str:
+    """The only stderr line of a failed command: `diffgemma: error: ...`, no traceback."""
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("diffgemma: error: "), proc.stderr
+    return lines[0]
+
+
+def test_bad_devices_ports_and_input_files_are_one_line(model, tmp_path):
+    import torch
+
+    array, state, broken = tmp_path / "array.json", tmp_path / "state.json", tmp_path / "broken.json"
+    array.write_text("[1, 2]")
+    state.write_text('{"item": "apple"}')
+    broken.write_text("{oops")
+    m = ("-m", str(model))
+    cases = [
+        (("ask", *m, "-p", "hi", "--device", "tpu"), "unknown device 'tpu'"),
+        (("ask", *m, "-p", "hi", "--device", "cuda:x"), "unknown device 'cuda:x'"),
+        (("chat", *m, "--device", "meta"), "device 'meta' is not supported"),
+        (("serve", *m, "--port", "99999"), "--port must be 0 to 65535, got 99999"),
+        (("serve", *m, "--device", "tpu"), "unknown device 'tpu'"),
+        (("score", *m, "--schema", str(array), "--state", str(state)), "is a JSON object, not an array"),
+        (("score", *m, "--schema", str(broken), "--state", str(state)), f"--schema {broken}: Expecting"),
+        (("score", *m, "--schema", str(state), "--state", str(tmp_path / "no.json")), "No such file"),
+        (("score", *m, "--schema", str(tmp_path), "--state", str(state)), "Is a directory"),
+        (("ask", *m, "-p", "hi", "--log", str(tmp_path)), f"--log {tmp_path} is a directory"),
+        (("ask", "-m", str(state), "-p", "hi"), "is not a directory"),
+    ]
+    if not torch.backends.cuda.is_built():  # the issue's case: a CPU-only torch
+        cases.append((("ask", *m, "-p", "hi", "--device", "cuda"), "built without CUDA"))
+    else:
+        cases.append((("ask", *m, "-p", "hi", "--device", "cuda:99"), "cuda:99"))
+    if not torch.backends.mps.is_available():
+        cases.append((("ask", *m, "-p", "hi", "--device", "mps"), "device 'mps'"))
+    for args, message in cases:
+        assert message in one_error_line(run(*args)), args
+
+
+def test_serve_refuses_a_taken_port_before_loading(model):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = one_error_line(run("serve", "-m", str(model), "--port", str(port)))
+    assert line.startswith(f"diffgemma: error: cannot listen on 127.0.0.1:{port}: ") and "in use" in line
+
+
+def test_the_python_api_checks_its_arguments(model):
+    import diffgemma
+
+    engine = diffgemma.load(model, "cpu", max_tokens=512)
+    schema = {"questions": [{"id": "late", "type": "noul", "instructions": "Late?"}]}
+    with pytest.raises(TypeError, match=r"schema must be a dict .* got str: parse it first"):
+        engine.score(json.dumps(schema), {"days": 3})
+    with pytest.raises(TypeError, match="schema must be a dict"):
+        engine.score([schema], {"days": 3})
+    with pytest.raises(TypeError, match="state must be JSON-serializable"):
+        engine.score(schema, {"when": object()})
+    with pytest.raises(TypeError, match="seed must be an int, got str"):
+        engine.score(schema, {}, seed="1")
+    for kwargs, error, message in (
+        ({"max_new_tokens": 0}, ValueError, "max_new_tokens must be at least 1, got 0"),
+        ({"max_new_tokens": "8"}, TypeError, "max_new_tokens must be an int or None, got str"),
+        ({"seed": 1.5}, TypeError, "seed must be an int, got float"),
+        ({"logprobs": -1}, ValueError, "logprobs must be at least 0"),
+        ({"sampler": {}}, TypeError, "sampler must be a SamplerConfig"),
+    ):
+        with pytest.raises(error, match=message):
+            engine.generate("hi", **kwargs)
+    with pytest.raises(ValueError, match=r"token id 5000 is outside this model's vocabulary \(0 to 1023\)"):
+        engine.generate([2, 5000])
+    with pytest.raises(TypeError, match="prompt must be token ids"):
+        engine.generate(3)
+    with pytest.raises(NotADirectoryError, match="is not a directory"):
+        diffgemma.load(model / "config.json")
+    with pytest.raises(TypeError, match="path must be a model directory"):
+        diffgemma.load(None)
+    with pytest.raises(ValueError, match="max_tokens must be at least 1, got 0"):
+        diffgemma.load(model, max_tokens=0)
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        diffgemma.load(model, device="tpu")
+    pick = {"questions": [{"id": "kind", "type": "choice", "options": [{"name": "fruit"}, {"name": "tool"}]}]}
+    assert engine.score(pick, "a string state is JSON too")["answers"]["kind"]["label"] in ("A", "B")
+
+
+class Terminal:
+    """`diffgemma chat` on a pseudo-terminal, as a user at a shell runs it (stdin a TTY: the prompt, Ctrl-C)."""
+
+    def __init__(self, model) -> None:
+        import os
+        import pty
+
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: the pty is its controlling terminal and stdin/stdout/stderr
+            os.execv(sys.executable, [sys.executable, "-m", "diffgemma.cli", "chat", "-m", str(model)])
+        self.seen = ""
+
+    def expect(self, text: str, timeout: float = 120) -> str:
+        """Read until `text` has appeared (after what earlier calls consumed); returns what was read."""
+        import os
+        import select
+        import time
+
+        end = time.monotonic() + timeout
+        while text not in self.seen:
+            ready, _, _ = select.select([self.fd], [], [], max(0.0, end - time.monotonic()))
+            assert ready, f"no {text!r} within {timeout} s; the terminal shows {self.seen!r}"
+            try:
+                chunk = os.read(self.fd, 4096).decode(errors="replace")
+            except OSError:  # EIO: the child has closed the terminal
+                chunk = ""
+            assert chunk, f"chat ended before {text!r}; the terminal shows {self.seen!r}"
+            self.seen += chunk
+        upto = self.seen.index(text) + len(text)
+        read, self.seen = self.seen[:upto], self.seen[upto:]
+        return read
+
+    def send(self, text: str) -> None:
+        import os
+
+        os.write(self.fd, text.encode())
+
+    def exit_code(self, timeout: float = 60) -> int:
+        """The child's exit status once it ends, what it printed last kept in `self.seen`."""
+        import contextlib
+        import os
+        import select
+        import time
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if select.select([self.fd], [], [], 0.05)[0]:
+                with contextlib.suppress(OSError):  # EIO once the child has closed the terminal
+                    self.seen += os.read(self.fd, 4096).decode(errors="replace")
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:  # what it wrote last may still wait in the terminal
+                while select.select([self.fd], [], [], 0.2)[0]:
+                    try:
+                        chunk = os.read(self.fd, 4096)
+                    except OSError:
+                        break
+                    if not chunk:
+                        break
+                    self.seen += chunk.decode(errors="replace")
+                return os.waitstatus_to_exitcode(status)
+        os.kill(self.pid, 9)
+        raise AssertionError(f"chat did not exit; the terminal shows {self.seen!r}")
+
+
+def test_chat_ctrl_c_at_the_prompt_does_not_quit_and_a_bad_seed_says_why(model):
+    import os
+    import signal
+
+    term = Terminal(model)
+    term.expect(">>> ")
+    os.kill(term.pid, signal.SIGINT)  # Ctrl-C at the idle prompt
+    assert "/quit or Ctrl-D" in term.expect(">>> ")  # a new prompt: the REPL is still there
+    term.send("/seed abc\n")
+    assert "/seed takes an integer, got 'abc'; the seed stays 42" in term.expect(">>> ")
+    term.send("/seed 7\n")
+    assert "seed 7" in term.expect(">>> ")
+    term.send("/quit\n")
+    assert term.exit_code() == 0
+
+
+def test_chat_ctrl_d_ends_the_prompts_line(model):
+    term = Terminal(model)
+    term.expect(">>> ")
+    term.send("\x04")  # Ctrl-D at an empty line: end of input
+    assert term.exit_code() == 0
+    assert term.seen.startswith("\r\n")  # the shell's prompt then starts on a line of its own

@@ -7,8 +7,10 @@ very same weights beside it and checks the two sets of logits.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -21,7 +23,7 @@ import torch
 
 from diffgemma.config import ModelConfig, SamplerConfig, load_runtime_config
 from diffgemma.model.model import DiffusionGemma
-from diffgemma.runner.devices import set_cpu_threads
+from diffgemma.runner.devices import check_device, set_cpu_threads
 from diffgemma.runner.parallel import join, leave, release
 from diffgemma.runner.runner import ModelRunner
 
@@ -249,8 +251,10 @@ class BenchOptions:
 
     model: str | None = None  # a checkpoint directory; None: random weights
     tiny: bool = False  # random weights at a tiny shape (a CPU smoke test)
+    # random weights at the real shape even on CPU; without it (or -m or --tiny) a CPU measures the demo model
+    real: bool = False
     device: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str | None = None  # None: bfloat16 on a GPU, float32 on CPU
     contexts: str | None = None  # comma-separated context lengths (default CONTEXTS, or TINY_CONTEXTS)
     threads: int | None = None
     reps: int = 10
@@ -283,6 +287,10 @@ class BenchOptions:
         ]
 
     def check(self) -> None:
+        if self.real + self.tiny + (self.model is not None) > 1:
+            raise ValueError("--real, --tiny and -m each choose the weights: pass one of them")
+        if self.dtype is not None and self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         for name in ("reps", "gen_reps"):  # a median of at least 10
             if getattr(self, name) < 10:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 10, got {getattr(self, name)}")
@@ -712,17 +720,90 @@ def join_ranks(opts: BenchOptions) -> int:
     return join(want, "--expert-parallel" if opts.expert_parallel > 1 else "--data-parallel")[1]
 
 
+def cpu_available_bytes() -> int | None:
+    """Memory this machine can still give a process (MemAvailable on Linux), or None when unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def random_model_bytes(cfg_dict: dict[str, Any], dtype: torch.dtype, ctx: int) -> tuple[int, int]:
+    """Bytes `random_model` allocates for this shape's weights, and a cache of `ctx` tokens (counted on the meta
+    device: nothing allocated)."""
+    cfg = ModelConfig.from_dict(cfg_dict)
+    with torch.device("meta"):
+        model = DiffusionGemma(cfg)
+    es = torch.tensor([], dtype=dtype).element_size()
+    return sum(p.numel() for p in model.parameters()) * es, kv_bytes(cfg, ctx + 2 * cfg.canvas_length, dtype)
+
+
+def check_cpu_memory(cfg_dict: dict[str, Any], dtype: torch.dtype, ctx: int, what: str) -> None:
+    """ValueError, before anything is allocated, when random weights of this shape and the largest context's cache
+    do not fit the memory this machine has available (the kernel would kill the process part-way instead)."""
+    available = cpu_available_bytes()
+    weights, cache = random_model_bytes(cfg_dict, dtype, ctx)
+    need = weights + cache + GIB  # a GiB for activations and the process itself
+    if available is not None and need > available:
+        raise ValueError(
+            f"{what} needs ~{need / GIB:.1f} GiB in {str(dtype).removeprefix('torch.')} ({weights / GIB:.1f} of "
+            f"weights, {cache / GIB:.1f} of {ctx}-token cache) and this machine has {available / GIB:.1f} GiB "
+            "available: measure the demo model (bare on CPU), --tiny, -m DIR, or on a GPU"
+        )
+
+
+def bench_device(opts: BenchOptions) -> torch.device:
+    """--device (ValueError for one this torch cannot run on), else cuda when there is one, else cpu."""
+    return (
+        check_device(opts.device)
+        if opts.device
+        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
+
+
+def choose_weights(opts: BenchOptions, device: torch.device) -> BenchOptions:
+    """What a bare bench measures: the real shape on a GPU; on CPU, where the real shape's ~48 GiB of weights
+    rarely fit (and would take hours), the bundled demo model (--tiny's shape in a build without it), said on
+    stderr. -m, --tiny and --real are taken as given."""
+    if device.type != "cpu" or opts.model or opts.tiny or opts.real:
+        return opts
+    from diffgemma.weights.download import bundled_model
+
+    demo = bundled_model()
+    contexts = opts.contexts or TINY_CONTEXTS  # the demo model has 8,192 positions
+    if demo is None:
+        log(
+            "diffgemma: bench on CPU: measuring the tiny shape (--real for the 26B-A4B shape, -m DIR a checkpoint)"
+        )
+        return dataclasses.replace(opts, tiny=True, contexts=contexts)
+    log(
+        f"diffgemma: bench on CPU: measuring the bundled demo model ({demo.name}), not the 26B-A4B shape "
+        "(--real for it, -m DIR for a checkpoint, --tiny for the tiny shape)"
+    )
+    return dataclasses.replace(opts, model=str(demo), contexts=contexts)
+
+
 def setup(opts: BenchOptions) -> tuple[ModelRunner, dict[str, Any], dict[str, Any]]:
     """The model on its device, its runner, the config it was built from and the results' header (`opts` checked
     by the caller)."""
-    device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, opts.dtype)
+    device = bench_device(opts)
+    dtype_name = opts.dtype or ("float32" if device.type == "cpu" else "bfloat16")
+    dtype = getattr(torch, dtype_name)
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
         "torch": torch.__version__,
-        "dtype": opts.dtype,
+        "dtype": dtype_name,
         "contexts": opts.context_list(),
     }
+    if not opts.model and device.type == "cpu":
+        shape = "the tiny shape" if opts.tiny else "the real 26B-A4B shape"
+        check_cpu_memory(tiny_config() if opts.tiny else REAL_CONFIG, dtype, max(opts.context_list()), shape)
     t0 = time.perf_counter()
     if opts.model:
         model, cfg_dict = load_checkpoint(opts.model, str(device), dtype)
@@ -788,6 +869,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     torchrun with --data-parallel every rank measures and the first one reports; with --expert-parallel the first
     one measures while the others run their experts' share of its forwards."""
     opts.check()
+    opts = choose_weights(opts, bench_device(opts))
     ranks = join_ranks(opts)
     runner, _, results = setup(opts)
     results.update(expert_parallel=opts.expert_parallel, data_parallel=opts.data_parallel, ranks=ranks)

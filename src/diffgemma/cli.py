@@ -94,14 +94,17 @@ def load_engine(
     The engine's `max_tokens` is the context: --ctx, else CHAT_CONTEXT capped at the model's positions."""
     import diffgemma
     from diffgemma.config import ModelConfig, load_runtime_config
+    from diffgemma.runner.devices import check_device
     from diffgemma.weights.download import resolve_model
 
     if ctx is not None and ctx <= 0:
         raise CliError(f"--ctx must be positive, got {ctx}", 2)
+    runtime = load_runtime_config(device=device, dtype=dtype, threads=threads).replace(compile=compile)
+    if runtime.device:  # a device this torch cannot run on is said before the model line, as the only line
+        check_device(runtime.device)
     path = resolve_model(model)
     _stderr(f"model {path}")
     ctx = ModelConfig.from_dir(path).context(ctx, CHAT_CONTEXT)
-    runtime = load_runtime_config(device=device, dtype=dtype, threads=threads).replace(compile=compile)
     if sys.stderr.isatty():
         from rich.console import Console
 
@@ -277,6 +280,7 @@ def ask(
         text = sys.stdin.read() if prompt == "-" else prompt
         if not text.strip():
             raise CliError("empty prompt", 2)
+        _check_log(log)
         # one reply: compiling would cost more than it saves (docs/performance.md, "torch.compile and warm-up")
         engine = load_engine(model, device, dtype, ctx, threads, compile=False)
         ids = _prompt_ids(engine, text, raw, think)
@@ -287,6 +291,16 @@ def ask(
         if json_out:
             print(json.dumps(result_json(out, wall, model=str(engine.path), seed=seed)))
         _stderr(summary(out, wall))
+
+
+def _check_log(log: Path | None) -> None:
+    """CliError, before the model loads, for a --log path that cannot be appended to as a file."""
+    if log is None:
+        return
+    if log.is_dir():
+        raise CliError(f"--log {log} is a directory: name a file", 2)
+    if not log.parent.is_dir():
+        raise CliError(f"--log {log}: no directory {log.parent}", 2)
 
 
 CHAT_HELP = "commands: /reset, /think on|off, /seed N, /quit"
@@ -311,6 +325,7 @@ def chat(
     from diffgemma.session.client import Session
 
     with one_line_errors():
+        _check_log(log)
         engine = load_engine(model, device, dtype, ctx, threads)
         if engine.tokenizer is None:
             raise CliError(f"{engine.path} has no tokenizer.json")
@@ -340,9 +355,14 @@ def chat(
                 elif cmd == "/think" and arg in ("on", "off"):
                     think = arg == "on"
                     _stderr(f"thinking {arg}")
-                elif cmd == "/seed" and arg.strip().lstrip("-").isdigit():
-                    seed = int(arg)
-                    _stderr(f"seed {seed}")
+                elif cmd == "/think":
+                    _stderr(f"/think takes on or off, got {arg.strip()!r}")
+                elif cmd == "/seed":
+                    try:
+                        seed = int(arg)
+                        _stderr(f"seed {seed}")
+                    except ValueError:
+                        _stderr(f"/seed takes an integer, got {arg.strip()!r}; the seed stays {seed}")
                 else:
                     _stderr(f"unknown command {line!r}; {CHAT_HELP}")
                 continue
@@ -380,10 +400,20 @@ def _warm_up(engine) -> None:
 
 
 def _read_line(tty: bool) -> str | None:
+    """The next line: None at the end of input (Ctrl-D) or on Ctrl-C with piped input; at a terminal's prompt
+    Ctrl-C drops the line typed so far and asks again, as a shell does (a reply's Ctrl-C cancels the reply)."""
     try:
         return input(">>> ") if tty else (sys.stdin.readline() or None)
-    except (EOFError, KeyboardInterrupt):
+    except EOFError:
+        if tty:
+            print()  # end the prompt's line, so that the shell's prompt starts on a line of its own
         return None
+    except KeyboardInterrupt:
+        if not tty:
+            return None
+        print()
+        _stderr("Ctrl-C at the prompt does not quit: /quit or Ctrl-D does")
+        return ""
 
 
 @app.command()
@@ -471,8 +501,15 @@ def serve(
     from diffgemma.weights.download import resolve_model
 
     with one_line_errors():
+        from diffgemma.runner.devices import check_device
         from diffgemma.server import serve as run_server
 
+        if not 0 <= port <= 65535:
+            raise CliError(f"--port must be 0 to 65535, got {port}", 2)
+        if device:
+            check_device(device)
+        if data_parallel == 1:  # a taken port or bad host said now, not after the model has loaded
+            _check_listen(host, port)
         path = resolve_model(model)
         _stderr(f"model {path}")
         run_server(
@@ -498,6 +535,20 @@ def serve(
         )
 
 
+def _check_listen(host: str, port: int) -> None:
+    """CliError unless a server can listen on host:port (bound and closed at once, with uvicorn's SO_REUSEADDR)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except OSError as e:  # gaierror for a bad host, EADDRINUSE, EACCES below 1024
+        raise CliError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 @app.command()
 def score(
     schema: Path = typer.Option(..., "--schema", help="A question schema (JSON: questions, options...)."),
@@ -518,6 +569,10 @@ def score(
                 docs.append(json.loads(path.read_text()))
             except (OSError, json.JSONDecodeError) as e:
                 raise CliError(f"{name} {path}: {e}", 2) from None
+        if not isinstance(docs[0], dict):
+            raise CliError(
+                f"--schema {schema}: a question schema is a JSON object, not {_json_kind(docs[0])}", 2
+            )
         engine = load_engine(model, device, dtype, None, threads, compile=False)
         if engine.tokenizer is None:
             raise CliError(f"{engine.path} has no tokenizer.json")
@@ -525,6 +580,18 @@ def score(
             print(json.dumps(engine.score(docs[0], docs[1], seed=seed)))
         except SchemaError as e:
             raise CliError(f"the question schema: {e}", 2) from None
+
+
+def _json_kind(value: Any) -> str:
+    """How JSON names a parsed value's type: "an array", "a string"..."""
+    kinds = (
+        (dict, "an object"),
+        (list, "an array"),
+        (str, "a string"),
+        (bool, "a boolean"),
+        (type(None), "null"),
+    )
+    return next((name for cls, name in kinds if isinstance(value, cls)), "a number")
 
 
 @app.command()
@@ -658,10 +725,15 @@ def bench(
         None, "-m", "--model", help="Checkpoint directory (default: random weights)."
     ),
     tiny: bool = typer.Option(False, "--tiny", help="Random weights at a tiny shape (a CPU smoke test)."),
-    device: str | None = typer.Option(
-        None, "--device", help="cuda or cpu (default: cuda when there is one)."
+    real: bool = typer.Option(
+        False, "--real", help="Random weights at the real 26B-A4B shape on CPU too (a GPU's default)."
     ),
-    dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16, float16 or float32."),
+    device: str | None = typer.Option(
+        None, "--device", help="cuda or cpu (default: cuda when there is one; on CPU the demo model bare)."
+    ),
+    dtype: str | None = typer.Option(
+        None, "--dtype", help="bfloat16, float16 or float32 (default: bfloat16 on a GPU, float32 on CPU)."
+    ),
     contexts: str | None = typer.Option(
         None,
         "--contexts",
@@ -720,6 +792,7 @@ def bench(
     opts = BenchOptions(
         model=model,
         tiny=tiny,
+        real=real,
         device=device,
         dtype=dtype,
         contexts=contexts,

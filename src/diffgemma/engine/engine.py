@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,16 @@ Prompt = list[int] | torch.Tensor | str | list[dict[str, Any]]
 
 class ContextOverflow(ValueError):
     """A prompt (or canvas) that does not fit what the context leaves: the request's size, not the server's state."""
+
+
+def _check_int(name: str, value: Any, minimum: int | None = None, optional: bool = False) -> None:
+    """TypeError unless `value` is an int (None too when `optional`), ValueError when it is below `minimum`."""
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int{' or None' if optional else ''}, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
 
 
 class Engine:
@@ -67,6 +78,10 @@ class Engine:
         if isinstance(prompt, torch.Tensor):
             return prompt.reshape(-1).tolist()
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            vocab = self.model.cfg.vocab_size
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:  # else an IndexError deep in the embedding
+                raise ValueError(f"token id {bad} is outside this model's vocabulary (0 to {vocab - 1})")
             return list(prompt)
         tok = self._need_tokenizer()
         if isinstance(prompt, str):
@@ -120,6 +135,11 @@ class Engine:
         with a tokenizer, out.text / out.reasoning / out.tool_calls are set. With `kv`, the prompt is the tokens
         not yet cached and the cache is extended in place (multi-turn reuse); without it the call is ops on a
         conversation of the engine's own, emptied first (one generation at a time per engine)."""
+        _check_int("max_new_tokens", max_new_tokens, minimum=1, optional=True)
+        _check_int("seed", seed)
+        _check_int("logprobs", logprobs, minimum=0, optional=True)
+        if sampler is not None and not isinstance(sampler, SamplerConfig):
+            raise TypeError(f"sampler must be a SamplerConfig, got {type(sampler).__name__}")
         prompt_ids = self.prompt_ids(prompt_ids, think=think, tools=tools, raw=raw)
         cfg = sampler or self.sampler
         if sampler_overrides:
@@ -149,6 +169,14 @@ class Engine:
         engine keeps, so that the schema's prefix is reused by the next state)."""
         from diffgemma.session.client import Session
 
+        if not isinstance(schema, dict):  # a JSON string given as is would fail deep inside, on schema.get
+            hint = ": parse it first (json.loads)" if isinstance(schema, (str, bytes)) else ""
+            raise TypeError(f"schema must be a dict (a question schema), got {type(schema).__name__}{hint}")
+        _check_int("seed", seed)
+        try:
+            json.dumps(state)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"state must be JSON-serializable (it is sent as JSON): {e}") from None
         if self._scorer is None:
             self._scorer = Session(self)
         return self._scorer.score(schema, state, seed)
@@ -192,9 +220,16 @@ def load(
     threads given here win over it: by default the best device, bf16 on a GPU and fp32 on CPU, and on CPU torch's threads
     set by `runner.devices.set_cpu_threads`. `max_tokens` is the context (prompt + reply), at most the model's
     max_position_embeddings."""
+    if not isinstance(path, (str, Path)):
+        raise TypeError(f"path must be a model directory (str or Path), got {type(path).__name__}")
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"model path {path} is not a directory")
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")
+    _check_int("max_tokens", max_tokens, minimum=1, optional=True)
+    if runtime is not None and not isinstance(runtime, RuntimeConfig):
+        raise TypeError(f"runtime must be a RuntimeConfig, got {type(runtime).__name__}")
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
     given = {k: v for k, v in dict(device=device, dtype=dtype, threads=threads).items() if v is not None}

@@ -28,9 +28,42 @@ def best_device() -> str:
     return "cpu"
 
 
+def check_device(name: str) -> torch.device:
+    """The device `name` names, or a ValueError saying why this torch on this machine cannot run there."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):  # torch's own message lists twenty device types we do not run on
+        raise ValueError(f"unknown device {name!r}: use cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda":
+        if not torch.backends.cuda.is_built():
+            raise ValueError(
+                f"device {name!r}: this torch ({torch.__version__}) is built without CUDA; use cpu, or install "
+                "a CUDA build of torch"
+            )
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(
+                f"device {name!r}: no CUDA GPU is visible (nvidia-smi, CUDA_VISIBLE_DEVICES); use cpu"
+            )
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {name!r}: only {count} CUDA GPU(s) visible, cuda:0 to cuda:{count - 1}")
+    elif device.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_built():
+            raise ValueError(f"device {name!r}: this torch is built without MPS (Apple GPUs); use cpu")
+        if not mps.is_available():
+            raise ValueError(
+                f"device {name!r}: MPS is not available on this machine (macOS 12.3+ on Apple silicon)"
+            )
+    elif device.type != "cpu":
+        raise ValueError(f"device {name!r} is not supported: use cpu, cuda, cuda:N or mps")
+    return device
+
+
 def device_and_dtype(config: RuntimeConfig) -> tuple[torch.device, torch.dtype]:
-    """The config's device (the best available when unset) and dtype (bf16 on a GPU, fp32 on CPU when unset)."""
-    device = torch.device(config.device or best_device())
+    """The config's device (the best available when unset; ValueError for one that cannot run here) and dtype
+    (bf16 on a GPU, fp32 on CPU when unset)."""
+    device = check_device(config.device) if config.device else torch.device(best_device())
     name = ALIASES.get(config.dtype, config.dtype) if config.dtype else None
     if name is None:
         return device, torch.float32 if device.type == "cpu" else torch.bfloat16
