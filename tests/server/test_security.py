@@ -482,8 +482,8 @@ def test_serve_sigterm_ends_a_long_reply_after_the_grace(tmp_path) -> None:
     last chunk says "cancelled", then [DONE]); the process exits 0 within the grace and a few seconds. The key comes
     from DIFFGEMMA_API_KEY."""
     grace = 3.0
-    # no stop token can end the demo's reply early: it runs to max_tokens
-    env = {"DIFFGEMMA_API_KEY": "env-key", "DIFFGEMMA_STOP_TOKEN_IDS": "3"}
+    # neither a stop token nor a block of pad can end the demo's reply early: it runs to max_tokens
+    env = {"DIFFGEMMA_API_KEY": "env-key", "DIFFGEMMA_STOP_TOKEN_IDS": "3", "DIFFGEMMA_PAD_BLOCK_STOP": "0"}
     proc, base = serve("--shutdown-grace", str(grace), env=env)
     try:
         assert b"env-key" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
