@@ -155,8 +155,9 @@ def test_ctrl_c_cancels_the_reply_not_the_session(model):
     import signal
     import time
 
-    env = {  # a reply that cannot end by itself: no stop tokens, every block its 48 steps
+    env = {  # a reply that cannot end by itself: no stop tokens nor pad blocks, every block its 48 steps
         **os.environ,
+        "DIFFGEMMA_PAD_BLOCK_STOP": "0",
         "DIFFGEMMA_MAX_DENOISING_STEPS": "48",
         "DIFFGEMMA_ENTROPY_STOP": "0",
         "DIFFGEMMA_PLATEAU_STEPS": "0",
