@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -208,6 +209,8 @@ def test_bare_bench_on_cpu_measures_the_demo_model_and_says_so(tmp_path):
     data = json.loads(out.read_text())
     assert data["weights"] == f"checkpoint {bundled_model()}" and data["dtype"] == "float32"
     assert data["diffgemma"]["denoise_step_ms"]["64"] > 0 and data["threads"] == 1
+    # PASSIVE, set by importing diffgemma (a user's own value kept)
+    assert data["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def test_the_real_shape_on_cpu_is_refused_before_allocating_when_it_cannot_fit(monkeypatch):

@@ -1,5 +1,13 @@
 """diffgemma: an inference engine for DiffusionGemma, the block-diffusion Gemma 4 MoE."""
 
+import os as _os
+import sys as _sys
+
+# Idle CPU threads sleep instead of spinning (runner/devices.py, "OpenMP wait policy"); torch's OpenMP reads it once,
+# as torch loads, so it is set before the first import of torch here, and never over a value of the user's.
+if "torch" not in _sys.modules:
+    _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from pathlib import Path
 
 from diffgemma.config import ModelConfig, RuntimeConfig, SamplerConfig

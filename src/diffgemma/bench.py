@@ -23,7 +23,7 @@ import torch
 
 from diffgemma.config import ModelConfig, SamplerConfig, load_runtime_config
 from diffgemma.model.model import DiffusionGemma
-from diffgemma.runner.devices import check_device, set_cpu_threads
+from diffgemma.runner.devices import OMP_WAIT_POLICY, check_device, set_cpu_threads
 from diffgemma.runner.parallel import join, leave, release
 from diffgemma.runner.runner import ModelRunner
 
@@ -819,6 +819,8 @@ def setup(opts: BenchOptions) -> tuple[ModelRunner, dict[str, Any], dict[str, An
         results["init"] = opts.init
     if device.type == "cpu":
         results["threads"] = set_cpu_threads(model.cfg, opts.threads)
+        # PASSIVE unless the user set another or imported torch before diffgemma
+        results["omp_wait_policy"] = OMP_WAIT_POLICY
     # DIFFGEMMA_* variables apply, as in every command (`DIFFGEMMA_ATTENTION_TOPK=1`: the sparse full layers)
     runtime = load_runtime_config(
         kernels=opts.kernels,

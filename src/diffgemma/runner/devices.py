@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from diffgemma.config import ModelConfig, RuntimeConfig
@@ -18,6 +20,14 @@ ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # slower (docs/performance.md, "CPU threads").
 SMALL_MODEL_ACTIVE_PARAMS = 100_000_000
 TORCH_THREADS = torch.get_num_threads()  # torch's own default (its physical cores), before anyone changes it
+# OpenMP wait policy. libgomp's threads spin by default (about 300,000 polls) at every barrier before sleeping, so
+# two processes of two threads on two cores each spun on a core the other needed: 2.0-2.1 tok/s each against 9.1
+# alone on a 130M-active model (the 77 -> 7-9 on the demo with --threads 2). Sleeping (PASSIVE) they kept
+# 5.2-5.4 each, against 7.8 alone (the cost of waking a thread at each op's barrier); one thread each gave 5.3
+# alone and together. So: all cores for a large model, waiting PASSIVE, which diffgemma/__init__.py sets before
+# torch loads (libgomp reads it only then); a user's own OMP_WAIT_POLICY is kept (docs/performance.md, "CPU threads").
+# What torch's OpenMP was started with: None when diffgemma was imported after torch and nobody set it.
+OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
 
 
 def best_device() -> str:
