@@ -124,9 +124,8 @@ class Scheduler:
             if r.turn.unprefilled and r.cancelled:
                 self._schedule_prompt(first, r)
                 opening.append(r)
-        for r in (
-            opening
-        ):  # a commit is prefilled before its turn goes on or ends (cancelled), as a lone turn's is
+        # a commit is prefilled before its turn goes on or ends (cancelled), as a lone turn's is
+        for r in opening:
             if r.turn.pending:
                 first.commit(r, self._prefill(first, r.turn, r.turn.pending))
                 r.turn.pending = []
