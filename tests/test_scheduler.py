@@ -12,9 +12,10 @@ import torch
 
 import diffgemma
 from diffgemma.config import RuntimeConfig
-from diffgemma.engine.batch import Request, Scheduler, denoise_step
+from diffgemma.engine.batch import Request, Scheduler
 from diffgemma.engine.generate import CancelToken, Canvas, generate
 from diffgemma.model.steps import Steps
+from diffgemma.runner.runner import DenoiseInput, StepPlan
 
 
 class AfterSteps(CancelToken):
@@ -133,13 +134,14 @@ def _assert_solo_tokens(eng, mix, reqs: list[Request]) -> None:
         assert r.turn.out.token_ids == _solo(eng, ids, cfg, seed, n, False)[0].token_ids
 
 
-def test_denoise_step_refuses_canvases_of_two_lengths(eng):
+def test_a_plan_refuses_canvases_of_two_lengths(eng):
     kv = eng.runner.new_cache(64)
     eng.runner.prefill([5, 6, 7], kv)
     a = Canvas(eng.config.vocab_size, eng.sampler, 1, 16, torch.device("cpu"))
     b = Canvas(eng.config.vocab_size, eng.sampler, 1, 8, torch.device("cpu"))
+    plan = StepPlan(canvases=[DenoiseInput(cv.ids, kv, *cv.sc_input()) for cv in (a, b)])
     with pytest.raises(ValueError, match="one length"):
-        denoise_step(eng.runner, [(a, kv), (b, kv)])
+        eng.runner.execute(plan)
 
 
 def test_a_long_prompt_joining_running_requests_prefills_a_budget_a_step(eng, monkeypatch):

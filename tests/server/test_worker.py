@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 
-import diffgemma.engine.batch as batch_module
 from diffgemma.server import create_app
 from tests.server.conftest import CTX, MODEL, ServerThread
 
@@ -20,16 +19,16 @@ def _ask(client, i: int, max_tokens: int = 40):
 
 
 def test_a_failed_forward_fails_its_requests_and_frees_their_conversations(engine, monkeypatch):
-    real = batch_module.denoise_step
+    real = engine.runner.execute
     calls = {"n": 0}
 
-    def flaky(runner, items):
+    def flaky(plan):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected forward failure")
-        return real(runner, items)
+        return real(plan)
 
-    monkeypatch.setattr(batch_module, "denoise_step", flaky)
+    monkeypatch.setattr(engine.runner, "execute", flaky)
     with ServerThread(create_app(engine, ctx=CTX, max_conversations=3)) as server:
         client = server.client()
         with ThreadPoolExecutor(3) as pool:
@@ -38,7 +37,7 @@ def test_a_failed_forward_fails_its_requests_and_frees_their_conversations(engin
         assert failed and all("injected forward failure" in str(r) for r in failed)
         server.check_registry()
         assert not server.app.state.registry.busy  # every conversation free again
-        monkeypatch.setattr(batch_module, "denoise_step", real)
+        monkeypatch.setattr(engine.runner, "execute", real)
         assert _ask(client, 7).choices[0].finish_reason in ("stop", "length")  # the worker lives on
 
 

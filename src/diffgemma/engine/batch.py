@@ -1,7 +1,10 @@
-"""Many canvases per forward: `denoise_step` advances several canvases (each after its own cache, each under its own
-sampler config) with one pass of the model, and `Scheduler` runs many turns on it, one forward a step for all of
-their canvases. A block that finishes commits (its prefill runs before its turn's next canvas) while the others keep
-denoising; a request's tokens do not depend on what shares its forward.
+"""Many turns advanced together, one forward a step for all of their canvases. The `Scheduler` decides and the
+runner executes, and they meet only in data (`runner.runner`'s contract): `Scheduler.schedule` plans a round from
+the requests' state alone (`StepPlan`s: the prompt chunks a token budget allows, the commits of the blocks that
+finished, one forward's canvases each), `ModelRunner.execute` runs a plan and gives back each canvas's logits (a
+`ModelOutput`), and `Scheduler.update_from_output` takes what ran: each canvas's sampler step, the blocks that
+finished committed (their prefill goes in the next round's plan) or re-rolled, the turns that ended retired. A
+request's tokens do not depend on what shares its forward.
 
 Each canvas's decoder input (its embeddings and the SC MLP on its own soft signal: probabilities, the first-step
 seed, or none, exact or not) is computed on its own rows, as a lone canvas's is; the layers and the LM head then run
@@ -17,67 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diffgemma.engine.generate import (
-    CancelToken,
-    Canvas,
-    StepInfo,
-    Turn,
-    default_commit,
-    step_canvas,
-    sync,
-)
+from diffgemma.engine.generate import CancelToken, Canvas, StepInfo, Turn, default_commit, prefill_dtype
 from diffgemma.model.kv_cache import KVCache
-from diffgemma.runner.runner import DenoiseInput, ModelRunner
+from diffgemma.runner.runner import DenoiseInput, ModelOutput, ModelRunner, Prefill, StepPlan
 
-# Prompt tokens a scheduler step prefills while other requests denoise (`Scheduler._prefill_prompts`): ~25 ms on the
-# H200 at 1k context, about one batched step of 4 canvases (docs/performance.md, "Many canvases per forward").
+# Prompt tokens a round prefills while other requests denoise (`Scheduler._schedule_prompts`): ~25 ms on the H200 at
+# 1k context, about one batched step of 4 canvases (docs/performance.md, "Many canvases per forward").
 PREFILL_BUDGET = 1024
-
-
-@torch.no_grad()
-def denoise_step(runner: ModelRunner, items: list[tuple[Canvas, KVCache]]) -> list[StepInfo]:
-    """One forward for every (canvas, cache) of equal canvas length, then each canvas's step: a lone canvas through
-    the runner's own path (its graphs, `step_canvas`), several through `ModelRunner.denoise_many` (one that cannot
-    share a pass, `ModelRunner.batches`, on its own)."""
-    if not items:
-        return []
-    c = items[0][0].length
-    if any(cv.length != c for cv, _ in items):
-        raise ValueError("denoise_step takes canvases of one length")
-    shared = [i for i, (_, kv) in enumerate(items) if runner.batches(kv, c)]
-    infos: list[StepInfo | None] = [None] * len(items)
-    if len(shared) > 1:
-        inputs = [DenoiseInput(cv.ids, kv, *cv.sc_input()) for cv, kv in (items[i] for i in shared)]
-        logits = runner.denoise_many(inputs)
-        stops = []
-        for b, i in enumerate(shared):
-            cv = items[i][0]
-            sc_out = None
-            if cv.cfg.sc_sparse:  # in the model's dtype, as a lone canvas's buffer is (`step_canvas`)
-                sc_out = torch.empty(c, logits.shape[-1], device=logits.device, dtype=runner.dtype)
-            infos[i], stop = cv.advance(logits[b], sc_out)
-            stops.append(stop)
-        for b, stop in enumerate(torch.stack(stops).tolist()):  # one host read for the pass's canvases
-            items[shared[b]][0].settle(stop, logits[b])
-    for i, (cv, kv) in enumerate(items):
-        if infos[i] is None:  # its SC input in its own buffer: the next forward may be another canvas's
-            infos[i] = step_canvas(runner, cv, kv, private_sc=True)
-    return infos
-
-
-def prefill_pending(runner: ModelRunner, turns: list[Turn]) -> None:
-    """`Turn.prefill_pending` of every turn: the commits that fit their canvas slots in one pass
-    (`ModelRunner.commit_many`), the rest one by one."""
-    due = [t for t in turns if t.pending and runner.commits_on_canvas(t.kv, len(t.pending))]
-    if len(due) > 1:
-        t0 = time.perf_counter()
-        runner.commit_many([(t.pending, t.kv) for t in due])
-        sync(runner)
-        for t in due:
-            t.pending = []
-            t.out.prefill_seconds += time.perf_counter() - t0  # the pass it waited for
-    for t in turns:
-        t.prefill_pending()
 
 
 @dataclass
@@ -95,12 +44,45 @@ class Request:
     def done(self) -> bool:
         return self.turn.done
 
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.cancelled
+
+
+@dataclass
+class SchedulerOutput:
+    """One plan of a round and whose each of its items is: `prompts[i]`'s chunk is `plan.prompts[i]`, `commits[i]`'s
+    block `plan.commits[i]`, `canvases[i]`'s canvas `plan.canvases[i]`; `cancelled`, the turns it ends."""
+
+    plan: StepPlan = field(default_factory=StepPlan)
+    prompts: list[Request] = field(default_factory=list)
+    commits: list[Request] = field(default_factory=list)
+    canvases: list[Request] = field(default_factory=list)
+    cancelled: list[Request] = field(default_factory=list)
+
+    def prompt(self, r: Request, chunk: Prefill) -> None:
+        self.plan.prompts.append(chunk)
+        self.prompts.append(r)
+
+    def commit(self, r: Request, block: Prefill) -> None:
+        self.plan.commits.append(block)
+        self.commits.append(r)
+
+    def denoise(self, r: Request) -> None:
+        self.plan.canvases.append(DenoiseInput(r.canvas.ids, r.turn.kv, *r.canvas.sc_input()))
+        self.canvases.append(r)
+
+    def cached(self, kv: KVCache) -> int:
+        """The length of `kv` once this plan's prompt chunks have run."""
+        return kv.length + sum(len(p.ids) for p in self.plan.prompts if p.kv is kv)
+
 
 class Scheduler:
-    """Turns advanced together: each `step` opens a canvas for every turn that needs one (prefilling its last
-    commit first), drops cancelled turns, advances every canvas by one step in forwards of at most `max_batch`
+    """Turns advanced together, a round a `step`: each opens a canvas for every turn that needs one (prefilling its
+    last commit first), drops cancelled turns, advances every canvas by one step in forwards of at most `max_batch`
     canvases of one length, and commits (or re-rolls) the blocks that finished under the contract's policy
-    (`default_commit`)."""
+    (`default_commit`). It reaches the runner only through `ModelRunner.execute` (and its dtype, for the sampler's
+    buffers)."""
 
     def __init__(self, runner: ModelRunner, max_batch: int = 16) -> None:
         if max_batch < 1:
@@ -118,47 +100,60 @@ class Scheduler:
     def active(self) -> list[Request]:
         return [r for r in self.requests if not r.done]
 
+    def run(self) -> None:
+        """Step until every submitted turn is done."""
+        while self.active:
+            self.step()
+
     def step(self) -> None:
-        self._prefill_prompts()
+        """One round: each of its plans run and then applied, in order."""
+        for scheduled in self.schedule():
+            self.update_from_output(scheduled, self.runner.execute(scheduled.plan))
+        self.requests = self.active  # the finished leave
+
+    # -- deciding ---------------------------------------------------------------------------------------------
+
+    def schedule(self) -> list[SchedulerOutput]:
+        """The next round, planned from the requests' state: the first plan holds the prompt chunks
+        (`_schedule_prompts`), the commits of the turns that open a canvas and the cancelled turns; each plan one
+        forward. A chunk or a commit planned is taken from its turn (`Turn.unprefilled`, `Turn.pending`)."""
+        first = SchedulerOutput()
+        self._schedule_prompts(first)
         opening = [r for r in self.active if r.canvas is None and not r.turn.unprefilled]
         for r in self.active:  # a cancelled turn's prompt is in its cache, as a lone turn's would be
-            if r.turn.unprefilled and r.cancel is not None and r.cancel.cancelled:
-                r.turn.prefill_prompt()
+            if r.turn.unprefilled and r.cancelled:
+                self._schedule_prompt(first, r)
                 opening.append(r)
         # a commit is prefilled before its turn goes on or ends (cancelled), as a lone turn's is
-        prefill_pending(self.runner, [r.turn for r in opening])
+        for r in opening:
+            if r.turn.pending:
+                first.commit(r, self._prefill(first, r.turn, r.turn.pending))
+                r.turn.pending = []
         live = []
         for r in self.active:
-            if r.cancel is not None and r.cancel.cancelled:
-                r.turn.propose_from(None)
-                r.canvas = None
-                continue
-            if r.turn.unprefilled:  # its prompt goes on in the next step's budget
-                continue
-            if r.canvas is None:
-                r.canvas = r.turn.canvas()
-            live.append(r)
+            if r.cancelled:
+                first.cancelled.append(r)
+            elif not r.turn.unprefilled:  # else its prompt goes on in the next round's budget
+                if r.canvas is None:
+                    r.canvas = r.turn.canvas()
+                live.append(r)
         groups: dict[int, list[Request]] = {}
         for r in live:  # forwards of at most max_batch canvases of one length
             groups.setdefault(r.canvas.length, []).append(r)
-        batches = [
+        forwards = [
             g[i : i + self.max_batch] for g in groups.values() for i in range(0, len(g), self.max_batch)
         ]
-        for group in batches:
-            t0 = time.perf_counter()
-            infos = denoise_step(self.runner, [(r.canvas, r.turn.kv) for r in group])
-            self.forwards.append(len(group))
-            for r, info in zip(group, infos, strict=True):
-                r.turn.out.denoise_seconds += time.perf_counter() - t0  # the forward it waited for
-                if r.on_step is not None:
-                    r.on_step(info)
-                if r.canvas.done:
-                    self._finish_block(r)
-        self.requests = self.active  # the finished leave
+        plans = [first]
+        for i, group in enumerate(forwards):
+            if i:
+                plans.append(SchedulerOutput())
+            for r in group:
+                plans[-1].denoise(r)
+        return plans
 
-    def _prefill_prompts(self) -> None:
-        """Prefill the prompts of turns that have not started, first come first: all of them while no canvas is
-        denoising, else at most PREFILL_BUDGET tokens this step, so that a long prompt does not stall the running
+    def _schedule_prompts(self, first: SchedulerOutput) -> None:
+        """Plan the prompts of turns that have not started, first come first: all of them while no canvas is
+        denoising, else at most PREFILL_BUDGET tokens this round, so that a long prompt does not stall the running
         requests (chunked prefill)."""
         waiting = [r for r in self.active if r.turn.unprefilled]
         denoising = len(waiting) < len(self.active)
@@ -166,9 +161,64 @@ class Scheduler:
         for r in waiting:
             if budget is not None and budget <= 0:
                 break
-            n = r.turn.prefill_prompt(budget)
+            n = self._schedule_prompt(first, r, budget)
             if budget is not None:
                 budget -= n
+
+    def _schedule_prompt(self, scheduled: SchedulerOutput, r: Request, budget: int | None = None) -> int:
+        """Plan the next `budget` tokens of r's prompt (all of them by default); returns how many. A prompt that
+        fits the budget goes in whole, so that seed rule 7 (a whole short prompt in fp32) sees it as a lone turn's."""
+        turn = r.turn
+        ids = turn.unprefilled if budget is None else turn.unprefilled[:budget]
+        if not ids:
+            return 0
+        scheduled.prompt(r, self._prefill(scheduled, turn, ids))
+        turn.unprefilled = turn.unprefilled[len(ids) :]
+        return len(ids)
+
+    def _prefill(self, scheduled: SchedulerOutput, turn: Turn, ids: list[int]) -> Prefill:
+        """`ids` after `turn`'s cache, in the dtype seed rule 7 gives them there (`prefill_dtype`)."""
+        n = len(ids)
+        return Prefill(turn.kv, ids, prefill_dtype(self.runner, n, scheduled.cached(turn.kv), turn.cfg))
+
+    # -- taking what ran --------------------------------------------------------------------------------------
+
+    def update_from_output(self, scheduled: SchedulerOutput, output: ModelOutput) -> None:
+        """Take what `scheduled`'s plan gave: each turn's prefill time, the cancelled turns ended, then each canvas's
+        sampler step on its logits (one host read for the forward's stop verdicts), its `on_step`, and the blocks
+        that finished committed or re-rolled (`_finish_block`)."""
+        for r, seconds in zip(scheduled.prompts, output.prompt_seconds, strict=True):
+            r.turn.out.prefill_seconds += seconds
+        for r, seconds in zip(scheduled.commits, output.commit_seconds, strict=True):
+            r.turn.out.prefill_seconds += seconds  # the pass it waited for
+        for r in scheduled.cancelled:
+            r.turn.propose_from(None)
+            r.canvas = None
+        if not scheduled.canvases:
+            return
+        t0 = time.perf_counter()
+        infos, stops = [], []
+        for r, logits in zip(scheduled.canvases, output.logits, strict=True):
+            cv = r.canvas
+            sc_out = None
+            if cv.cfg.sc_sparse:  # in the model's dtype, as a lone canvas's graph buffer is (`step_canvas`)
+                sc_out = torch.empty(
+                    cv.length, logits.shape[-1], device=logits.device, dtype=self.runner.dtype
+                )
+            info, stop = cv.advance(logits, sc_out)
+            infos.append(info)
+            stops.append(stop)
+        verdicts = torch.stack(stops).tolist()  # the forward's one host read
+        for r, logits, stop in zip(scheduled.canvases, output.logits, verdicts, strict=True):
+            r.canvas.settle(stop, logits)
+        self.forwards.append(len(scheduled.canvases))
+        for r, info in zip(scheduled.canvases, infos, strict=True):
+            # the forward it waited for and the sampler's pass up to it
+            r.turn.out.denoise_seconds += output.forward_seconds + time.perf_counter() - t0
+            if r.on_step is not None:
+                r.on_step(info)
+            if r.canvas.done:
+                self._finish_block(r)
 
     def _finish_block(self, r: Request) -> None:
         turn, canvas = r.turn, r.canvas
@@ -181,8 +231,3 @@ class Scheduler:
         kept = turn.commit(kept_len)
         if r.on_commit is not None:
             r.on_commit(turn, kept)
-
-    def run(self) -> None:
-        """Step until every submitted turn is done."""
-        while self.active:
-            self.step()

@@ -209,10 +209,9 @@ def run_canvas(
     return canvas.result
 
 
-def step_canvas(model: ModelRunner, canvas: Canvas, kv: KVCache, private_sc: bool = False) -> StepInfo:
+def step_canvas(model: ModelRunner, canvas: Canvas, kv: KVCache) -> StepInfo:
     """One denoise step of a lone canvas after `kv`: the runner's forward (its fast path and graphs), then
-    `Canvas.step`. `private_sc`: the next SC input in a buffer of the canvas's own, not the graphs' shared one, which
-    another canvas's step would overwrite before this one's next (the scheduler interleaves canvases)."""
+    `Canvas.step`."""
     # The logits are the graph's own buffer before the final softcap (raw=True), which the sampler's row pass
     # applies as it reads them, before the next step overwrites them; the next SC input goes straight into
     # the graph's input buffer once there is one.
@@ -224,7 +223,7 @@ def step_canvas(model: ModelRunner, canvas: Canvas, kv: KVCache, private_sc: boo
     # The dense SC input is the exact path: fp32 probabilities, not the graph's 16-bit buffer (seed §5).
     sc_out = None
     if canvas.cfg.sc_sparse:
-        sc_out = None if private_sc else model.sc_input_buffer(kv, canvas.length)
+        sc_out = model.sc_input_buffer(kv, canvas.length)
         if sc_out is None:
             # No graph yet: a buffer in the dtype a graph's would have. Written in fp32 and cast by torch, the
             # SC input was one ulp off the sampler's own rounding in a few elements, so a first request that
@@ -258,14 +257,19 @@ def confidence_cut(tokens: list[int], p_max: list[float], tau: float, stop_ids: 
 
 
 def prefill(model: ModelRunner, ids: list[int], kv: KVCache, cfg: SamplerConfig) -> None:
-    """Extend `kv` by ids under seed rule 7 (a whole prompt into an empty cache in fp32)."""
+    """Extend `kv` by ids under seed rule 7 (`prefill_dtype`)."""
     if not ids:
         return
     t = torch.tensor([ids], dtype=torch.long)
+    model.prefill(t, kv, compute_dtype=prefill_dtype(model, len(ids), kv.length, cfg))
+
+
+def prefill_dtype(model: ModelRunner, n: int, cached: int, cfg: SamplerConfig) -> torch.dtype | None:
+    """The activations' dtype of n tokens prefilled after `cached` ones (None: the model's)."""
     # Seed rule 7: a whole prompt of up to prefill_f32_max_tokens, into an empty cache, prefills with fp32
     # activations; what extends a cache (a later turn, a committed block) takes the model-dtype path.
-    f32 = kv.length == 0 and 0 < len(ids) <= cfg.prefill_f32_max_tokens and model.dtype != torch.float32
-    model.prefill(t, kv, compute_dtype=torch.float32 if f32 else None)
+    f32 = cached == 0 and 0 < n <= cfg.prefill_f32_max_tokens and model.dtype != torch.float32
+    return torch.float32 if f32 else None
 
 
 @dataclass
@@ -373,7 +377,8 @@ class Turn:
 
     def canvas(self) -> Canvas:
         """The next proposal's canvas (`propose` runs it; a caller that runs its forwards itself, `engine.batch`,
-        calls `prefill_pending` first and `propose_from(canvas.result)` when it is done)."""
+        prefills what is left of the prompt and `pending` first and calls `propose_from(canvas.result)` when it is
+        done)."""
         m = self.model.cfg
         seed = block_seed(self.seed, self.block, self.retry)
         return Canvas(

@@ -4,6 +4,10 @@ forward fast: the prefill routes and chunks, CUDA graphs and their pools, the st
 torch.compile'd regions, and what the engine's warm-up needs. Generation, conversations and the server call the
 runner, never the model's forward directly.
 
+The scheduler's contract with it (`engine.batch.Scheduler`) is data: a `StepPlan` (prompt chunks, commits and one
+forward's canvases, each a cache and token ids) in, a `ModelOutput` (each canvas's logits) out, through `execute`;
+how the plan runs (which commits share a pass, which canvases a batched pass, graphs) is the runner's alone.
+
 The one difference in behaviour between the kernels (docs/performance.md, "Prefill in chunks at fixed
 positions"): the reference prefills in aligned canvas chunks and a rewind encodes the cut chunk again, so that a
 cache's bytes do not depend on its history; the fast kernels take their fastest routes and a rewind only
@@ -13,6 +17,9 @@ graph, a commit, one large chunk) wrote."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -28,14 +35,44 @@ from diffgemma.runner import parallel
 from diffgemma.runner.graphs import DenoiseGraphs, GraphStep, full_keys
 
 
+class Prefill(NamedTuple):
+    """Tokens to append to a cache: `ids` after `kv`, with activations in `compute_dtype` (None: the model's)."""
+
+    kv: KVCache
+    ids: list[int]
+    compute_dtype: torch.dtype | None = None
+
+
 class DenoiseInput(NamedTuple):
-    """One canvas of a `ModelRunner.denoise_many` pass: its ids [C], its cache, its SC input (`Canvas.sc_input`)."""
+    """One canvas of a forward: its ids [C], its cache, its SC input (`Canvas.sc_input`: probs, seed, exact)."""
 
     ids: torch.Tensor
     kv: KVCache
     probs: torch.Tensor | None
     seed: bool
     exact: bool
+
+
+@dataclass
+class StepPlan:
+    """What one scheduler step has the runner run, in this order: prompt chunks (each its own prefill), committed
+    blocks (their prefill), then one forward over `canvases` (all of one length, each after its own cache)."""
+
+    prompts: list[Prefill] = field(default_factory=list)
+    commits: list[Prefill] = field(default_factory=list)
+    canvases: list[DenoiseInput] = field(default_factory=list)
+
+
+@dataclass
+class ModelOutput:
+    """What a `StepPlan` gave: each canvas's logits [C, V] (the LM head's raw output, before the final softcap; a
+    graph's own buffer, valid until the runner's next forward) and the seconds its parts took: each prompt chunk's,
+    each commit's (the pass it shared), and the forward's (launched, not waited for: the sampler's read waits)."""
+
+    logits: list[torch.Tensor]
+    prompt_seconds: list[float]
+    commit_seconds: list[float]
+    forward_seconds: float
 
 
 # A prompt of up to PREFILL_GRAPH_MAX tokens into an empty cache is padded to a multiple of PREFILL_GRAPH_BUCKET
@@ -103,6 +140,66 @@ class ModelRunner:
     def new_cache(self, max_tokens: int, ring_size: int | None = None) -> KVCache:
         return self.model.new_cache(max_tokens, ring_size=ring_size)
 
+    # -- a scheduler step ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def execute(self, plan: StepPlan) -> ModelOutput:
+        """Run `plan`: its prompt chunks one by one, its commits (those that fit their canvas slots in one pass,
+        `commit_many`, the rest one by one), then its canvases' forward (`_forward`)."""
+        prompt_seconds = [self._timed(self.prefill, p.ids, p.kv, p.compute_dtype) for p in plan.prompts]
+        commit_seconds = self._commit_blocks(plan.commits)
+        t0 = time.perf_counter()
+        logits = self._forward(plan.canvases)
+        return ModelOutput(logits, prompt_seconds, commit_seconds, time.perf_counter() - t0)
+
+    def _commit_blocks(self, commits: list[Prefill]) -> list[float]:
+        """Prefill each commit; the seconds each waited for (a shared pass's, for each commit in it)."""
+        shared = [
+            i
+            for i, p in enumerate(commits)
+            if p.ids and p.compute_dtype is None and self._commits_on_canvas(p.kv, len(p.ids))
+        ]
+        seconds: list[float | None] = [None] * len(commits)
+        if len(shared) > 1:
+            dt = self._timed(self.commit_many, [(commits[i].ids, commits[i].kv) for i in shared])
+            for i in shared:
+                seconds[i] = dt
+        for i, p in enumerate(commits):
+            if seconds[i] is None:
+                seconds[i] = self._timed(self.prefill, p.ids, p.kv, p.compute_dtype)
+        return seconds
+
+    def _forward(self, canvases: list[DenoiseInput]) -> list[torch.Tensor]:
+        """Each canvas's raw logits [C, V]: those that can share a pass (`_batches`) in one (`denoise_many`), a
+        lone one through `denoise` (its graphs). Of a plan's canvases at most one reads a graph's buffer (a lone one
+        that could share: the others run eagerly), so every canvas's logits hold until the next forward."""
+        if not canvases:
+            return []
+        c = canvases[0].ids.shape[-1]
+        if any(x.ids.shape[-1] != c for x in canvases):
+            raise ValueError("a plan's canvases are of one length")
+        shared = [i for i, x in enumerate(canvases) if self._batches(x.kv, c)]
+        logits: list[torch.Tensor | None] = [None] * len(canvases)
+        if len(shared) > 1:
+            many = self.denoise_many([canvases[i] for i in shared])
+            for b, i in enumerate(shared):
+                logits[i] = many[b]
+        for i, x in enumerate(canvases):
+            if logits[i] is None:
+                one = self.denoise(
+                    x.ids[None], x.kv, sc_probs=x.probs, sc_seed=x.seed, sc_exact=x.exact, raw=True
+                )
+                logits[i] = one[0]
+        return logits
+
+    def _timed(self, fn: Callable[..., object], *args: object) -> float:
+        """Seconds `fn(*args)` takes on the host clock, the device waited for."""
+        t0 = time.perf_counter()
+        fn(*args)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
     # -- prefill -----------------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -131,7 +228,7 @@ class ModelRunner:
             kv.length == 0 and t <= min(self.config.prefill_chunk, PREFILL_GRAPH_MAX) and dtype == self.dtype
         ):
             self._prefill_padded(ids, kv)
-        elif dtype == self.dtype and self.commits_on_canvas(kv, t):
+        elif dtype == self.dtype and self._commits_on_canvas(kv, t):
             self._commit([(ids, kv)])
         else:
             for s in range(0, t, self.config.prefill_chunk):
@@ -190,17 +287,17 @@ class ModelRunner:
             kv.write(layer.idx, 0, stage.kv[layer.idx][:, :, :t])
         kv.length = t
 
-    def commits_on_canvas(self, kv: KVCache, t: int) -> bool:
+    def _commits_on_canvas(self, kv: KVCache, t: int) -> bool:
         """Whether t new tokens after `kv` prefill as a commit on its canvas slots (`_commit`): the fast kernels, a
         non-empty cache in the model's dtype, at most a canvas of tokens."""
         return self.fast and kv.length > 0 and t <= kv.canvas_slots and kv.dtype == self.dtype
 
     @torch.no_grad()
     def commit_many(self, items: list[tuple[list[int], KVCache]]) -> None:
-        """`prefill` of each (ids, kv) where every one `commits_on_canvas`: one commit pass for all of them."""
+        """`prefill` of each (ids, kv) where every one `_commits_on_canvas`: one commit pass for all of them."""
         if not items:
             return
-        if not all(self.commits_on_canvas(kv, len(ids)) and ids for ids, kv in items):
+        if not all(self._commits_on_canvas(kv, len(ids)) and ids for ids, kv in items):
             raise ValueError("commit_many takes non-empty commits that fit their caches' canvas slots")
         self._commit([(torch.tensor(ids, dtype=torch.long), kv) for ids, kv in items])
         for ids, kv in items:
@@ -316,7 +413,7 @@ class ModelRunner:
         model's dtype): SC probabilities written there are not copied in again by the next `denoise`."""
         return self.graphs.sc_input(kv, canvas_len) if self.graphs_on else None
 
-    def batches(self, kv: KVCache, c: int) -> bool:
+    def _batches(self, kv: KVCache, c: int) -> bool:
         """Whether a canvas of c after `kv` can share a pass with others (`denoise_many`): on the fast kernels it
         needs room in the cache's own canvas slots and the model's dtype."""
         return not self.fast or (c <= kv.canvas_slots and kv.dtype == self.dtype)
@@ -324,7 +421,7 @@ class ModelRunner:
     @torch.no_grad()
     def denoise_many(self, canvases: list[DenoiseInput]) -> torch.Tensor:
         """The LM head's raw output [B, C, V] (before the final softcap, the model's dtype) for canvases of one
-        length, each after its own cache (`batches`), in one pass. Each canvas's decoder input is made on its own
+        length, each after its own cache (`_batches`), in one pass. Each canvas's decoder input is made on its own
         rows, eagerly (its SC input: probabilities, the seed or none, exact or not), as a lone canvas's is; the
         layers and the LM head then run once over all of the rows, on CUDA replayed from the graph of this set of
         caches and key buckets once the set has come twice. On a graph the output is the graph's own buffer,
@@ -332,7 +429,7 @@ class ModelRunner:
         model, b = self.model, len(canvases)
         c = canvases[0].ids.shape[-1]
         kvs = [cv.kv for cv in canvases]
-        if any(cv.ids.shape[-1] != c for cv in canvases) or not all(self.batches(kv, c) for kv in kvs):
+        if any(cv.ids.shape[-1] != c for cv in canvases) or not all(self._batches(kv, c) for kv in kvs):
             raise ValueError("denoise_many takes canvases of one length that fit their caches' canvas slots")
         x = torch.cat(
             [
