@@ -1,9 +1,10 @@
 """The engine worker: one thread owns the model and every KV cache (the token pipeline). Jobs reach it through a
 bounded queue and run there as generators of ops (`Run`): the worker runs each op for its job and sends back the
-events. A job's `Generate` is begun on the pipeline and joins the `Scheduler`, so the turns of up to one job a
-conversation advance together, one forward a step for all their canvases; the job resumes when its turn ends. A
-job's other ops run between forwards, each job's run of them at once (no other job's op comes between them), so a
-conversation is only ever touched by the job that holds it."""
+events. A job's `Generate` is begun on the pipeline (its stages included) and joins the `Scheduler`, so the turns of
+up to one job a conversation advance together, one forward a step for all their canvases; the job resumes when its
+Generate ends, which a tool stage may answer with its next attempt's request, stepped in the same way. A job's other
+ops (and a stage's ops between attempts) run between forwards, each job's run of them at once (no other job's op
+comes between them), so a conversation is only ever touched by the job that holds it."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from diffgemma.engine.batch import Request, Scheduler
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo
 from diffgemma.server.errors import APIError
 from diffgemma.session import ops as O
+from diffgemma.session.conversation import Conversation
 from diffgemma.session.pipeline import call, collector, failure
+from diffgemma.session.stage import Stage
 
 log = logging.getLogger("diffgemma.server")
 
@@ -74,7 +77,7 @@ class Channel:
 class _Active:
     job: Job
     steps: Steps
-    conv: Any = None  # the conversation its Route chose
+    conv: Conversation | None = None  # the conversation its Route chose
     request: Request | None = None  # its Generate in the scheduler
     run: Run | None = None  # the Run of that Generate
     events: list[O.Event] = field(default_factory=list)
@@ -84,7 +87,7 @@ class _Active:
 class Worker:
     def __init__(
         self,
-        pipeline: Any,
+        pipeline: Stage,
         max_queue: int,
         on_error: Callable[[BaseException], None] | None = None,
         max_batch: int = 16,
@@ -148,16 +151,28 @@ class Worker:
                 self._step()
             for a in self._active:
                 if a.request is not None and a.request.done:
-                    request, a.request = a.request, None
-                    try:
-                        a.run.output = self.pipeline.end_generate(request)
-                    except BaseException as exc:  # noqa: BLE001 - reported to its job below
-                        self._crash(a, exc)
-                        continue
-                    self._advance(a, a.events, None)
+                    self._end(a)
             self._active = [a for a in self._active if not a.done]
             if stopping and not self._active:
                 return
+
+    def _end(self, a: _Active) -> None:
+        """End a's Generate, whose turn is done: its next attempt submitted in its place (a tool stage's), or the job
+        run on with its events (a `Failed` thrown into it)."""
+        request, a.request = a.request, None
+        assert request is not None and a.run is not None
+        try:
+            ended = self.pipeline.end_generate(request)
+        except BaseException as exc:  # noqa: BLE001 - reported to its job
+            self._crash(a, exc)
+            return
+        if isinstance(ended, Request):
+            a.request = self.scheduler.submit(ended)
+        elif ended is None:
+            self._advance(a, None, failure(a.events[-1]))
+        else:
+            a.run.output = ended
+            self._advance(a, a.events, None)
 
     def _step(self) -> None:
         """One scheduler step; a failure fails every job whose turn was in it, never the worker."""
@@ -195,10 +210,7 @@ class Worker:
             try:
                 if a.conv is not None and self.pipeline.active is not a.conv:
                     call(self.pipeline, O.Activate(self.pipeline.conv_id(a.conv)))
-                # the tool stages run a Generate as ops of their own (no begin_generate): one at a time
-                if isinstance(item.op, O.Generate) and callable(
-                    getattr(self.pipeline, "begin_generate", None)
-                ):
+                if isinstance(item.op, O.Generate):
                     a.events = []
                     request = self.pipeline.begin_generate(
                         item.op, collector(a.events, item.on_event), on_step=item.on_step, cancel=item.cancel
@@ -210,8 +222,6 @@ class Worker:
                     self.scheduler.submit(request)
                     return
                 value = call(self.pipeline, item.op, item.on_event, cancel=item.cancel, on_step=item.on_step)
-                if isinstance(item.op, O.Generate):
-                    item.output = self.pipeline.last_output
                 if isinstance(item.op, O.Route):
                     a.conv = self.pipeline.active
             except ValueError as e:

@@ -14,13 +14,14 @@ from diffgemma.session import ops as O
 from diffgemma.session import scoring
 from diffgemma.session.oplog import OpLog
 from diffgemma.session.pipeline import Pipeline, call, sampler_fields
+from diffgemma.session.stage import Stage
 from diffgemma.session.tools import ToolRepair, ToolValidator
 
 
-def stages(pipeline: Pipeline, log: str | Path | None, tool_validate: bool, tool_repair: bool) -> Any:
+def stages(pipeline: Pipeline, log: str | Path | None, tool_validate: bool, tool_repair: bool) -> Stage:
     """The pipeline with its stages: the op log innermost (it journals the ops the tool stages run), then the tool
-    stages."""
-    stage: Any = OpLog(pipeline, log) if log is not None else pipeline
+    stages (each Generate's attempts begun on the one inside, so a batching worker still batches them)."""
+    stage: Stage = OpLog(pipeline, log) if log is not None else pipeline
     if (tool_validate or tool_repair) and pipeline.engine.tokenizer is None:
         raise ValueError(
             f"{pipeline.engine.path or 'this model'} has no tokenizer.json: the tool stages parse replies"
@@ -45,7 +46,7 @@ class Session:
         tool_repair: bool = False,
     ) -> None:
         self.engine = engine
-        self.pipeline: Any = stages(
+        self.pipeline: Stage = stages(
             Pipeline(engine, ctx, max_conversations=1), log, tool_validate, tool_repair
         )
         self._call(O.Activate(0))

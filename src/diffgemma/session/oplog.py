@@ -27,12 +27,14 @@ from typing import Any
 import torch
 
 import diffgemma
+from diffgemma.engine.batch import Request
 from diffgemma.engine.engine import Engine
 from diffgemma.engine.generate import CancelToken, StepInfo
 from diffgemma.session import ops as O
 from diffgemma.session import pipeline as pipeline_module
 from diffgemma.session.journal import JournalFile
-from diffgemma.session.pipeline import Emit, Pipeline, sampler_fields
+from diffgemma.session.pipeline import Pipeline, sampler_fields
+from diffgemma.session.stage import Around, Emit, OnStep, Stage
 
 
 def model_identity(path: Path | None) -> str:
@@ -74,7 +76,7 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown cpu"
 
 
-def header(pipeline: Pipeline) -> dict[str, Any]:
+def header(pipeline: Stage) -> dict[str, Any]:
     engine = pipeline.engine
     return {
         "diffgemma": diffgemma.__version__,
@@ -102,13 +104,13 @@ def _ends_mid_line(path: Path) -> bool:
         return False
 
 
-class OpLog:
+class OpLog(Around):
     """A stage around `inner`: each op with its sequence number, and each event with its op's number, one JSON object
     a line in the order they happened, flushed as written. Ops of a batching worker interleave: a Generate's events
     come as its blocks commit, between other requests' ops."""
 
-    def __init__(self, inner: Pipeline, path: str | Path, label: str | None = None) -> None:
-        self.inner = inner
+    def __init__(self, inner: Stage, path: str | Path, label: str | None = None) -> None:
+        super().__init__(inner)
         self.path = Path(path)
         cut = _ends_mid_line(self.path)
         # whole lines, each one write; one that fails (a full disk) is dropped with a warning, never the request's
@@ -135,16 +137,16 @@ class OpLog:
 
         return logged
 
-    def run(self, op: O.Op, emit: Emit, **kwargs: Any) -> None:
-        self.inner.run(op, self._op(op, emit), **kwargs)
+    def run(
+        self, op: O.Op, emit: Emit, on_step: OnStep | None = None, cancel: CancelToken | None = None
+    ) -> None:
+        self.inner.run(op, self._op(op, emit), on_step=on_step, cancel=cancel)
 
-    @property
-    def begin_generate(self) -> Callable[..., Any] | None:
-        """The inner pipeline's `begin_generate`, logged (None where it has none: a stage that runs its own ops)."""
-        inner = getattr(self.inner, "begin_generate", None)
-        if not callable(inner):
-            return None
-        return lambda op, emit, **kwargs: inner(op, self._op(op, emit), **kwargs)
+    def begin_generate(
+        self, op: O.Generate, emit: Emit, on_step: OnStep | None = None, cancel: CancelToken | None = None
+    ) -> Request | None:
+        """The inner stage's `begin_generate`, logged: its events are logged as they come, up to `end_generate`."""
+        return self.inner.begin_generate(op, self._op(op, emit), on_step=on_step, cancel=cancel)
 
     def cancel(self) -> None:
         self._op(O.Cancel(), lambda event: None)
@@ -152,9 +154,7 @@ class OpLog:
 
     def close(self) -> None:
         self._file.close()
-
-    def __getattr__(self, name: str) -> Any:  # the pipeline's state (active, last_output, registry, ...)
-        return getattr(self.inner, name)
+        self.inner.close()
 
 
 @dataclass
@@ -363,7 +363,7 @@ def _replay(
             timeline.append((step.line, 0, step))
             if isinstance(step.op, O.Generate) and step.lines and id(step) not in cut:
                 timeline.append((step.lines[-1], 1, step))
-        flight: dict[int, tuple[Any, list[dict[str, Any]]]] = {}
+        flight: dict[int, tuple[Request, list[dict[str, Any]]]] = {}
         for _, phase, step in sorted(timeline, key=lambda t: (t[0], t[1])):
             if isinstance(step.op, O.Cancel):  # where it struck is in the events of the op it stopped
                 continue
@@ -415,7 +415,7 @@ def _cut(k: int, session: Session, unfinished: list[Step]) -> str:
     return f"{where} cut off at line {session.last} (a crash: {', '.join(what)})"
 
 
-def _run_alone(pipeline: Pipeline, request: Any) -> None:
+def _run_alone(pipeline: Pipeline, request: Request) -> None:
     """A begun Generate run to its end on its own (its tokens are those of any batch it ran in)."""
     pipeline_module.drive(request.turn, request.on_step, request.cancel, request.on_commit)
 

@@ -1,5 +1,5 @@
 """The pipeline's terminal: executes ops on the engine's conversations, one at a time, on the calling thread (the
-engine worker's). Stages (`oplog`, `tools`) wrap it with the same `run(op, emit, ...)`.
+engine worker's). Stages (`oplog`, `tools`) wrap it with the same interface (`stage.Stage`).
 
 Lineage: each conversation counts epochs. An op that cuts its log (a rewind, a realignment, a splice, a reset, an
 eviction) records the cut and starts a new epoch; a KvId (e, p) still names the same content iff p is within the
@@ -22,8 +22,7 @@ from diffgemma.engine.rng import Rng
 from diffgemma.session import ops as O
 from diffgemma.session.conversation import Conversation, common_prefix
 from diffgemma.session.registry import Registry, prefill
-
-Emit = Callable[[O.Event], None]
+from diffgemma.session.stage import Emit, Ended, OnStep, Stage
 
 # Failed.kind of an op refused for the size of what it asked (ContextOverflow): the request's doing. Any other kind is
 # the caller's use of the ops (or the pipeline's own state) going wrong, which a server must not blame on its client.
@@ -84,18 +83,18 @@ class CountingCancel(CancelToken):
         return self.struck_at is not None
 
 
-class Pipeline:
+class Pipeline(Stage):
     """Conversations (a `Registry`: routing by longest common prefix, forks, eviction) and the open turn."""
 
     def __init__(self, engine: Engine, ctx: int | None = None, max_conversations: int = 4) -> None:
-        self.engine = engine
-        self.registry = Registry(engine, ctx or engine.max_tokens, max_conversations)
+        self._engine = engine
+        self._registry = Registry(engine, ctx or engine.max_tokens, max_conversations)
         self.lineage: dict[int, Lineage] = {}  # id(Conversation) -> its lineage
-        self.active: Conversation | None = None
+        self._active: Conversation | None = None
         self.turn: Turn | None = None
         self._cancel = CancelToken()
         # the last Generate's output with its timings, which the events leave out (they must replay identically)
-        self.last_output: GenerateOutput | None = None
+        self._last_output: GenerateOutput | None = None
         self._flight: dict[
             int, tuple[Conversation, Emit]
         ] = {}  # begin_generate's requests: their conversation
@@ -122,9 +121,28 @@ class Pipeline:
             O.Shutdown: lambda op, emit, **_: emit(O.Stopped()),
         }
 
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @property
+    def registry(self) -> Registry:
+        return self._registry
+
+    @property
+    def active(self) -> Conversation | None:
+        return self._active
+
+    @property
+    def last_output(self) -> GenerateOutput | None:
+        return self._last_output
+
     def cancel(self) -> None:
         """Stop the running op between denoise steps (any thread)."""
         self._cancel.cancel()
+
+    def close(self) -> None:
+        """Nothing to release: the conversations live as long as the engine."""
 
     def run(
         self,
@@ -172,21 +190,21 @@ class Pipeline:
     # -- conversations ----------------------------------------------------------------------------------------
 
     def _route(self, op: O.Route, emit: Emit, **_: Any) -> None:
-        self.active = self.registry.route(list(op.ids))
+        self._active = self.registry.route(list(op.ids))
         shared = common_prefix(self.active.log, list(op.ids))
         emit(O.Activated(self._lineage(self.active).conv, self.kv_id(), shared, self.registry.decision))
 
     def _activate(self, op: O.Activate, emit: Emit, **_: Any) -> None:
         for conv in self.registry.conversations:
             if self._lineage(conv).conv == op.conv:
-                self.active = self.registry.touch(conv)
+                self._active = self.registry.touch(conv)
                 break
         else:
             if op.conv != len(self.lineage):
                 raise ValueError(
                     f"no conversation {op.conv}: a new one takes the next id, {len(self.lineage)}"
                 )
-            self.active = self.registry.touch(self.registry.blank(keep=self.active))
+            self._active = self.registry.touch(self.registry.blank(keep=self.active))
             self._lineage(self.active)
         emit(O.Activated(self._lineage(self.active).conv, self.kv_id()))
 
@@ -410,7 +428,7 @@ class Pipeline:
         """The id `Activate` takes for conv."""
         return self._lineage(conv).conv
 
-    def end_generate(self, request: Request) -> GenerateOutput:
+    def end_generate(self, request: Request) -> Ended:
         """Close a finished (or failed) `begin_generate`: emit its `Replied`, free its conversation."""
         conv, emit = self._flight.pop(id(request))
         self.registry.busy.discard(id(conv))
@@ -419,25 +437,32 @@ class Pipeline:
             conv.reset()
             raise RuntimeError("end_generate of a turn that has not ended")
         struck = request.cancel.struck_at if turn.out.finish_reason == "cancelled" else None
-        self.last_output = turn.out
+        self._last_output = turn.out
         emit(self._replied(turn, struck, conv))
         return turn.out
 
     def _generate(self, op: O.Generate, emit: Emit, on_step=None, cancel=None) -> None:
-        """`begin_generate`, the turn driven here to its end, `end_generate`."""
-        request = self.begin_generate(op, emit, on_step, cancel)
-        if request is None:
-            return
+        run_generate(self, op, emit, on_step, cancel)
+
+
+def run_generate(
+    stage: Stage, op: O.Generate, emit: Emit, on_step: OnStep | None, cancel: CancelToken | None
+) -> None:
+    """A Generate run at once on `stage`: `begin_generate`, its turn driven here to its end, `end_generate`, and the
+    same for each request `end_generate` answers with (a tool stage's next attempt), as the batching worker does."""
+    request = stage.begin_generate(op, emit, on_step, cancel)
+    while request is not None:
         try:
             drive(request.turn, request.on_step, request.cancel, request.on_commit)
         except BaseException:
-            self.abort_generate(request)  # never leave a half-written cache behind
+            stage.abort_generate(request)  # never leave a half-written cache behind
             raise
-        self.end_generate(request)
+        ended = stage.end_generate(request)
+        request = ended if isinstance(ended, Request) else None
 
 
 def call(
-    pipeline: Any, op: O.Op, on_event: Callable[[O.Event], None] | None = None, **kwargs: Any
+    pipeline: Stage, op: O.Op, on_event: Callable[[O.Event], None] | None = None, **kwargs: Any
 ) -> list[O.Event]:
     """Run op on a pipeline (or a stage around one) and return its events; a `Failed` one raises ValueError with
     its message (`ContextOverflow` for a context refusal), after `on_event` has seen the others."""
