@@ -3,9 +3,9 @@
 from pathlib import Path
 
 from diffgemma.config import ModelConfig, RuntimeConfig, SamplerConfig
-from diffgemma.engine.engine import Engine, load
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo
-from diffgemma.session.client import Session
+from diffgemma.session.client import Engine, Session, load
+from diffgemma.version import __version__
 
 
 def demo_model() -> Path:
@@ -27,7 +27,7 @@ __all__ = [
     "SamplerConfig",
     "Session",
     "StepInfo",
+    "__version__",
     "demo_model",
     "load",
 ]
-__version__ = "0.1.0"
