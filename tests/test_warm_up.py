@@ -65,7 +65,9 @@ def test_warm_up_compiles_what_a_reply_needs_and_changes_no_reply(tiny_a):
     with torch._dynamo.config.patch(error_on_recompile=True):
         a = s_warm.generate(prompt, max_new_tokens=20, seed=3)
         a2 = s_warm.generate(s_warm.log + list(range(60, 70)), max_new_tokens=12, seed=4)
-    assert a2.reused_tokens == len(prompt) + a.cached_tokens  # a follow-up turn: only its own tokens prefilled
+    assert (
+        a2.reused_tokens == len(prompt) + a.cached_tokens
+    )  # a follow-up turn: only its own tokens prefilled
     assert _variants(warm.model) == seen
     assert not any(
         r.failed for r in [*warm.model.steps.prefill_regions.values(), *warm.model.steps.regions.values()]
