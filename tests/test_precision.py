@@ -85,7 +85,9 @@ def test_one_prefill_rule_whole_short_prompts_in_fp32_everything_else_fast(tiny_
     import diffgemma
     from diffgemma.session import ops as O
 
-    eng = diffgemma.load(tiny_a, device="cpu", dtype="bfloat16", max_denoising_steps=2, prefill_f32_max_tokens=40)
+    eng = diffgemma.load(
+        tiny_a, device="cpu", dtype="bfloat16", max_denoising_steps=2, prefill_f32_max_tokens=40
+    )
     calls: list[tuple[int, int, torch.dtype | None]] = []  # (cached before, new tokens, compute_dtype)
     real = eng.runner.prefill
 
@@ -98,7 +100,10 @@ def test_one_prefill_rule_whole_short_prompts_in_fp32_everything_else_fast(tiny_
     short = list(range(3, 33))  # 30 tokens: within the rule
     out = s.generate(short, max_new_tokens=2 * eng.config.canvas_length, seed=1, stop_token_ids=())
     assert out.blocks == 2
-    assert calls == [(0, 30, torch.float32), (30, eng.config.canvas_length, None)]  # the prompt, block 0's commit
+    assert calls == [
+        (0, 30, torch.float32),
+        (30, eng.config.canvas_length, None),
+    ]  # the prompt, block 0's commit
 
     calls.clear()  # a cross-turn delta of 5 tokens (short, but it extends a cache)
     s.generate(s.log + [7, 8, 9, 10, 11], max_new_tokens=4, seed=2)

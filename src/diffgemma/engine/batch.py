@@ -72,7 +72,7 @@ def prefill_pending(runner: ModelRunner, turns: list[Turn]) -> None:
     if len(due) > 1:
         t0 = time.perf_counter()
         runner.commit_many([(t.pending, t.kv) for t in due])
-        sync(runner)
+        sync(runner.device)
         for t in due:
             t.pending = []
             t.out.prefill_seconds += time.perf_counter() - t0  # the pass it waited for

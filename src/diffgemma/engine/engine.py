@@ -16,6 +16,7 @@ from diffgemma.config import (
     ModelConfig,
     RuntimeConfig,
     SamplerConfig,
+    check_int,
     load_runtime_config,
     load_sampler_config,
 )
@@ -32,16 +33,6 @@ Prompt = list[int] | torch.Tensor | str | list[dict[str, Any]]
 
 class ContextOverflow(ValueError):
     """A prompt (or canvas) that does not fit what the context leaves: the request's size, not the server's state."""
-
-
-def check_int(name: str, value: Any, minimum: int | None = None, optional: bool = False) -> None:
-    """TypeError unless `value` is an int (None too when `optional`), ValueError when it is below `minimum`."""
-    if value is None and optional:
-        return
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int{' or None' if optional else ''}, got {type(value).__name__}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
 
 
 class EngineCore:
