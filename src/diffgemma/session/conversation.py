@@ -1,4 +1,5 @@
-"""A conversation's token log mirrored by its KV cache: reuse the longest common prefix, prefill the rest."""
+"""A conversation's token log mirrored by its KV cache: `sync` keeps the longest common prefix with a prompt (the
+pipeline prefills the rest, under the engine's one prefill rule)."""
 
 from __future__ import annotations
 
