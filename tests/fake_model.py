@@ -26,6 +26,7 @@ class FakeModel:
         self.cfg = SimpleNamespace(vocab_size=vocab, canvas_length=canvas, final_logit_softcapping=None)
         self.device = torch.device("cpu")
         self.dtype = dtype
+        self.graphs_on = False  # as a runner without CUDA graphs: no SC input buffer to ask for
         self.script = script
         self.canvases: list[list[int]] = []
         self.sc: list[str] = []

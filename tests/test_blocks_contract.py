@@ -137,13 +137,13 @@ def test_cancel_between_steps_keeps_committed_blocks_consistent():
 def test_cancel_on_the_real_model_leaves_the_cache_as_a_clean_prefill(tiny_a):
     eng = diffgemma.load(tiny_a, device="cpu", dtype="float32", max_denoising_steps=3)
     token = CancelToken()
-    kv = eng.new_cache(256)
+    session = diffgemma.Session(eng, ctx=256)
+    kv = session.pipeline.active.kv
     prompt = list(range(3, 30))
-    out = eng.generate(
+    out = session.generate(
         prompt,
         max_new_tokens=4 * eng.config.canvas_length,
         seed=3,
-        kv=kv,
         cancel=token,
         on_step=lambda s: s.block == 2 and token.cancel(),
         stop_token_ids=(),

@@ -6,7 +6,6 @@ import pytest
 
 import diffgemma
 from diffgemma.engine.generate import GenerateOutput
-from diffgemma.session import Conversation
 
 TOOLS = [
     {
@@ -52,27 +51,28 @@ def test_replies_are_parsed_into_text_reasoning_and_tool_calls(eng):
     assert [(c.name, c.arguments) for c in out.tool_calls] == [("get_weather", {"city": "Paris"})]
 
 
-def test_conversation_reuses_the_common_prefix_and_rewinds(eng):
-    conv = Conversation(eng, 512)
+def test_a_session_reuses_the_common_prefix_and_rewinds(eng):
+    s = diffgemma.Session(eng, ctx=512)
+    kv = s.pipeline.active.kv
     msgs = [{"role": "user", "content": "first question"}]
     ids1 = eng.prompt_ids(msgs)
-    out1 = conv.generate(ids1, max_new_tokens=40, seed=2)
-    assert out1.reused_tokens == 0 and conv.kv.length == len(conv.log) == len(ids1) + out1.cached_tokens
+    out1 = s.generate(ids1, max_new_tokens=40, seed=2)
+    assert out1.reused_tokens == 0 and kv.length == len(s.log) == len(ids1) + out1.cached_tokens
     msgs += [{"role": "assistant", "content": out1.text}, {"role": "user", "content": "second"}]
     ids2 = eng.prompt_ids(msgs)
-    out2 = conv.generate(ids2, max_new_tokens=8, seed=2)
+    out2 = s.generate(ids2, max_new_tokens=8, seed=2)
     assert len(ids1) - 4 <= out2.reused_tokens < len(ids1)  # the history drops the empty thought channel
-    assert conv.log[: len(ids2)] == ids2 and conv.kv.length == len(conv.log)
+    assert s.log[: len(ids2)] == ids2 and kv.length == len(s.log)
     # A different conversation in the same cache: only the shared <bos><|turn>user prefix survives.
-    out3 = conv.generate(eng.prompt_ids("something else entirely"), max_new_tokens=8, seed=2)
+    out3 = s.generate(eng.prompt_ids("something else entirely"), max_new_tokens=8, seed=2)
     assert out3.reused_tokens <= 4
     with pytest.raises(ValueError, match="does not fit"):
-        conv.generate(list(range(3, 600)))
-    assert conv.kv.length == len(conv.log)
+        s.generate(list(range(3, 600)))
+    assert kv.length == len(s.log) and s.pipeline.active.kv is kv
 
 
 def test_one_shot_calls_reuse_the_engines_cache_and_match_a_fresh_engine(tiny_a, eng):
-    """Calls without `kv` are ops on a conversation of the engine's own, emptied and reused (the denoise graphs are
+    """One-shot calls are ops on a conversation of the engine's own, emptied and reused (the denoise graphs are
     tied to a cache): a call after another gives what a fresh engine gives, and a reply stops at the context."""
     fresh = diffgemma.load(tiny_a, device="cpu", dtype="float32", max_denoising_steps=3)
     want = fresh.generate("a first question", max_new_tokens=12, seed=5).token_ids

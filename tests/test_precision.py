@@ -75,3 +75,48 @@ def test_exact_soft_embedding_accumulates_fp32_probabilities(tiny_a, monkeypatch
     a = bf16.denoise(canvas, kv, sc_probs=probs, sc_exact=True)
     b = bf16.denoise(canvas, kv, sc_probs=probs)
     assert not torch.equal(a, b)
+
+
+@torch.no_grad()
+def test_one_prefill_rule_whole_short_prompts_in_fp32_everything_else_fast(tiny_a, monkeypatch):
+    """Seed rule 7, in `engine.generate.prefill` alone: on a bf16 runner, a whole prompt of at most
+    prefill_f32_max_tokens into an empty cache prefills in fp32; a long prompt, a cross-turn delta, a committed
+    block and a Finalize extension take the model-dtype path (compute_dtype None), whichever op asks."""
+    import diffgemma
+    from diffgemma.session import ops as O
+
+    eng = diffgemma.load(
+        tiny_a, device="cpu", dtype="bfloat16", max_denoising_steps=2, prefill_f32_max_tokens=40
+    )
+    calls: list[tuple[int, int, torch.dtype | None]] = []  # (cached before, new tokens, compute_dtype)
+    real = eng.runner.prefill
+
+    def spy(ids, kv, compute_dtype=None):
+        calls.append((kv.length, len(torch.as_tensor(ids).reshape(-1)), compute_dtype))
+        return real(ids, kv, compute_dtype=compute_dtype)
+
+    monkeypatch.setattr(eng.runner, "prefill", spy)
+    s = diffgemma.Session(eng, ctx=512)
+    short = list(range(3, 33))  # 30 tokens: within the rule
+    out = s.generate(short, max_new_tokens=2 * eng.config.canvas_length, seed=1, stop_token_ids=())
+    assert out.blocks == 2
+    assert calls == [
+        (0, 30, torch.float32),
+        (30, eng.config.canvas_length, None),
+    ]  # the prompt, block 0's commit
+
+    calls.clear()  # a cross-turn delta of 5 tokens (short, but it extends a cache)
+    s.generate(s.log + [7, 8, 9, 10, 11], max_new_tokens=4, seed=2)
+    assert calls == [(30 + eng.config.canvas_length, 5, None)]
+
+    calls.clear()  # Finalize: a short extension after the cached log, then a whole short log into an empty cache
+    log = s.log
+    s._call(O.Finalize(log + [12, 13, 14]))
+    s.reset()
+    s._call(O.Finalize(short))
+    assert calls == [(len(log), 3, None), (0, 30, torch.float32)]
+
+    calls.clear()  # a whole prompt past the rule's length
+    s.reset()
+    s.generate(list(range(3, 44)), max_new_tokens=4, seed=3)
+    assert calls == [(0, 41, None)]

@@ -61,16 +61,19 @@ def test_warm_up_compiles_what_a_reply_needs_and_changes_no_reply(tiny_a):
     # Requests of other lengths (a prompt, then a follow-up turn on the same cache) compile nothing more: a
     # recompile raises, which `Fused` would turn into `failed`.
     prompt = list(range(5, 42))
-    kv_warm, kv_cold = warm.new_cache(512), cold.new_cache(512)
+    s_warm, s_cold = Session(warm, ctx=512), Session(cold, ctx=512)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        a = warm.generate(prompt, max_new_tokens=20, seed=3, kv=kv_warm)
-        a2 = warm.generate(list(range(60, 70)), max_new_tokens=12, seed=4, kv=kv_warm)
+        a = s_warm.generate(prompt, max_new_tokens=20, seed=3)
+        a2 = s_warm.generate(s_warm.log + list(range(60, 70)), max_new_tokens=12, seed=4)
+    assert (
+        a2.reused_tokens == len(prompt) + a.cached_tokens
+    )  # a follow-up turn: only its own tokens prefilled
     assert _variants(warm.model) == seen
     assert not any(
         r.failed for r in [*warm.model.steps.prefill_regions.values(), *warm.model.steps.regions.values()]
     )
-    b = cold.generate(prompt, max_new_tokens=20, seed=3, kv=kv_cold)
-    b2 = cold.generate(list(range(60, 70)), max_new_tokens=12, seed=4, kv=kv_cold)
+    b = s_cold.generate(prompt, max_new_tokens=20, seed=3)
+    b2 = s_cold.generate(s_cold.log + list(range(60, 70)), max_new_tokens=12, seed=4)
     assert (a.token_ids, a2.token_ids) == (b.token_ids, b2.token_ids)
 
 
@@ -144,7 +147,7 @@ def test_serve_warms_up_before_it_listens(tiny_a, monkeypatch):
     eng = _fused(tiny_a)
     events: list[str] = []
     monkeypatch.setattr(eng, "warm_up", lambda: events.append("warm-up") or 1.0)
-    monkeypatch.setattr(run, "load", lambda *a, **k: eng)
+    monkeypatch.setattr(run.EngineCore, "load", lambda *a, **k: eng)
     monkeypatch.setattr(uvicorn, "run", lambda app, **k: events.append(f"listen {k['host']}:{k['port']}"))
     run.serve(tiny_a, port=8123, ctx=2048)
     assert events == ["warm-up", "listen 127.0.0.1:8123"]

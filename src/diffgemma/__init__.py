@@ -11,9 +11,9 @@ if "torch" not in _sys.modules:
 from pathlib import Path
 
 from diffgemma.config import ModelConfig, RuntimeConfig, SamplerConfig
-from diffgemma.engine.engine import Engine, load
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo
-from diffgemma.session.client import Session
+from diffgemma.session.client import Engine, Session, load
+from diffgemma.version import __version__
 
 
 def demo_model() -> Path:
@@ -35,7 +35,7 @@ __all__ = [
     "SamplerConfig",
     "Session",
     "StepInfo",
+    "__version__",
     "demo_model",
     "load",
 ]
-__version__ = "0.1.0"

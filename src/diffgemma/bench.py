@@ -508,7 +508,7 @@ def schema_timing(runner: ModelRunner, reps: int) -> dict[str, Any]:
     request (its prefix not cached) and a repeat with another state (the prefix reused), wall ms each, the median
     over `reps` schemas after one warm-up pair, with the reply's own prefill and denoise times."""
     from diffgemma.chat.tokenizer import ChatTokenizer
-    from diffgemma.engine.engine import Engine
+    from diffgemma.session.client import Engine
     from diffgemma.train.tokenizer import LABEL_WORDS, with_words
     from diffgemma.weights.download import bundled_model
 

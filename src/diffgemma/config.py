@@ -63,6 +63,16 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**27 else f"{nbytes / 2**20:,.1f} MiB"
 
 
+def check_int(name: str, value: Any, minimum: int | None = None, optional: bool = False) -> None:
+    """TypeError unless `value` is an int (None too when `optional`), ValueError when it is below `minimum`."""
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int{' or None' if optional else ''}, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

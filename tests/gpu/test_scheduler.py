@@ -17,13 +17,14 @@ pytestmark = [
 def test_interleaved_turns_on_graphs_give_their_solo_tokens():
     import diffgemma
     from diffgemma.engine.batch import Request, Scheduler
+    from diffgemma.engine.generate import drive
     from diffgemma.weights.download import bundled_model
 
     eng = diffgemma.load(bundled_model(), device="cuda")
     assert eng.runner.fast and eng.runner.graphs_on
     texts = ("What is 17 + 25?", "Count from 37 to 55.", "Is 7 larger than 3?", "Count from 10 to 30.")
     prompts = [eng.prompt_ids(t) for t in texts]
-    solo = [eng.generate(p, seed=i, kv=eng.runner.new_cache(2048)).token_ids for i, p in enumerate(prompts)]
+    solo = [drive(eng.turn(p, eng.runner.new_cache(2048), None, i)).token_ids for i, p in enumerate(prompts)]
     sched = Scheduler(eng.runner, max_batch=1)
     reqs = [
         sched.submit(Request(eng.turn(p, eng.runner.new_cache(2048), None, i))) for i, p in enumerate(prompts)
@@ -36,6 +37,7 @@ def test_interleaved_turns_on_graphs_give_their_solo_tokens():
 def test_batched_turns_replayed_from_graphs_give_the_tokens_of_the_batch_run_eagerly():
     import diffgemma
     from diffgemma.engine.batch import Request, Scheduler
+    from diffgemma.engine.generate import drive
     from diffgemma.weights.download import bundled_model
 
     eng = diffgemma.load(bundled_model(), device="cuda")
@@ -58,7 +60,7 @@ def test_batched_turns_replayed_from_graphs_give_the_tokens_of_the_batch_run_eag
     assert max(forwards) == len(prompts)
     assert any(step is not None for _, step in eng.runner.graphs._batch.values())
     assert graphed == eager
-    solo = [eng.generate(p, seed=i, kv=eng.runner.new_cache(2048)).token_ids for i, p in enumerate(prompts)]
+    solo = [drive(eng.turn(p, eng.runner.new_cache(2048), None, i)).token_ids for i, p in enumerate(prompts)]
     print(
         f"batched = solo for {sum(a == b for a, b in zip(graphed, solo, strict=True))} of {len(solo)} requests"
     )

@@ -17,7 +17,7 @@ def test_warm_up_captures_then_drops_its_graphs_and_changes_no_reply(tmp_path, g
     commit) on caches of its own and keeps none; both then give the same replies to a prompt under the fp32
     rule and to a follow-up turn past it on the same cache."""
     from diffgemma.config import SamplerConfig
-    from diffgemma.engine.engine import Engine
+    from diffgemma.session.client import Engine, Session
     from diffgemma.testing import write_tiny_checkpoint
     from diffgemma.weights.loader import load_model
 
@@ -34,7 +34,7 @@ def test_warm_up_captures_then_drops_its_graphs_and_changes_no_reply(tmp_path, g
     prompt, follow = list(range(3, 43)), list(range(50, 350))
     replies = []
     for eng in (warm, cold):
-        kv = eng.new_cache(1024)
-        first = eng.generate(prompt, max_new_tokens=40, seed=5, kv=kv).token_ids
-        replies.append((first, eng.generate(follow, max_new_tokens=40, seed=6, kv=kv).token_ids))
+        s = Session(eng, ctx=1024)
+        first = s.generate(prompt, max_new_tokens=40, seed=5).token_ids
+        replies.append((first, s.generate(s.log + follow, max_new_tokens=40, seed=6).token_ids))
     assert replies[0] == replies[1]

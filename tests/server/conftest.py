@@ -18,6 +18,7 @@ import diffgemma
 import diffgemma.session.pipeline as pipeline_module
 from diffgemma.engine.generate import GenerateOutput
 from diffgemma.server import create_app
+from diffgemma.session import ops as O
 from diffgemma.testing import write_tiny_checkpoint
 
 CTX = 1024
@@ -165,3 +166,14 @@ def renders(engine, monkeypatch) -> list[dict[str, Any]]:
 
     monkeypatch.setattr(tok, "encode_chat", spy)
     return seen
+
+
+def routed_generate(p: pipeline_module.Pipeline, ids: list[int], seed: int, max_new_tokens: int = 8):
+    """One request through the pipeline's ops as the server opens it (Route, AlignTo, Generate; no Finalize): its
+    output, `reused_tokens` set, and the conversation it ran on."""
+    pipeline_module.call(p, O.Route(ids))
+    (aligned,) = pipeline_module.call(p, O.AlignTo(ids))
+    pipeline_module.call(p, O.Generate(ids[aligned.reused :], seed, max_new_tokens))
+    out = p.last_output
+    out.reused_tokens = aligned.reused
+    return out, p.active

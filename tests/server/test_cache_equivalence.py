@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from diffgemma.engine.generate import prefill
 from diffgemma.server import create_app
-from diffgemma.session.registry import Registry
-from tests.server.conftest import CTX, MODEL, ServerThread
+from diffgemma.session import ops as O
+from diffgemma.session.pipeline import Pipeline, call
+from tests.server.conftest import CTX, MODEL, ServerThread, routed_generate
 
 TURNS = [
     "hello there",
@@ -39,12 +41,13 @@ def test_cached_turns_equal_a_fresh_servers(engine) -> None:
 
 
 def test_an_identical_request_reuses_its_own_conversation(engine) -> None:
-    reg = Registry(engine, CTX, max_conversations=2)
+    p = Pipeline(engine, CTX, max_conversations=2)
+    reg = p.registry
     a = engine.prompt_ids([{"role": "user", "content": "First conversation, asked twice."}])
     b = engine.prompt_ids([{"role": "user", "content": "Another one."}])
-    out_a, conv_a = reg.generate(a, max_new_tokens=8, seed=1)
-    _, conv_b = reg.generate(b, max_new_tokens=8, seed=1)
-    again, conv = reg.generate(a, max_new_tokens=8, seed=1)
+    out_a, conv_a = routed_generate(p, a, seed=1)
+    _, conv_b = routed_generate(p, b, seed=1)
+    again, conv = routed_generate(p, a, seed=1)
     assert conv is conv_a and len(reg) == 2  # not a copy that evicts conversation B
     assert again.token_ids == out_a.token_ids and again.reused_tokens == len(a)
     assert conv_b in reg.conversations and conv_b.log[: len(b)] == b
@@ -54,17 +57,15 @@ def test_an_identical_request_reuses_its_own_conversation(engine) -> None:
 def test_a_cache_holds_the_bytes_of_one_prefill_of_its_tokens(engine) -> None:
     """However a conversation's tokens reached the cache (prompts, committed blocks, finalized turns, rewinds),
     its K/V are bit for bit those of one prefill of the same tokens into an empty cache."""
-    from diffgemma.session.registry import prefill
-
-    reg = Registry(engine, CTX, max_conversations=1)
+    p = Pipeline(engine, CTX, max_conversations=1)
     messages: list[dict] = []
     for turn in TURNS:
         messages.append({"role": "user", "content": turn})
-        out, conv = reg.generate(engine.tokenizer.encode_chat(messages), max_new_tokens=40, seed=11)
-        messages.append({"role": "assistant", "content": out.text})
-        reg.finalize(conv, engine.tokenizer.encode_chat(messages, add_generation_prompt=False))
+        out, conv = routed_generate(p, engine.tokenizer.encode_chat(messages), seed=11, max_new_tokens=40)
+        messages.append({"role": "assistant", "content": engine.parse(out).text})
+        call(p, O.Finalize(engine.tokenizer.encode_chat(messages, add_generation_prompt=False)))
         fresh = engine.new_cache(CTX)
-        prefill(engine, conv.log, fresh)
+        prefill(engine.runner, conv.log, fresh, engine.sampler)
         assert conv.kv.fingerprint() == fresh.fingerprint(), turn
 
 

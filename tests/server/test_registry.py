@@ -7,8 +7,8 @@ from diffgemma.session import ops as O
 from diffgemma.session import registry as R
 from diffgemma.session.conversation import common_prefix
 from diffgemma.session.pipeline import Pipeline, call, collector
-from diffgemma.session.registry import Registry, copy_prefix
-from tests.server.conftest import CTX
+from diffgemma.session.registry import copy_prefix
+from tests.server.conftest import CTX, routed_generate
 
 
 def _ids(engine, text: str) -> list[int]:
@@ -16,36 +16,36 @@ def _ids(engine, text: str) -> list[int]:
 
 
 def test_extend_fork_and_evict(engine) -> None:
-    reg = Registry(engine, CTX, max_conversations=2)
+    p = Pipeline(engine, CTX, max_conversations=2)
+    reg = p.registry
     shared = "A long shared system prompt that several clients send before their own question. " * 2
     a = _ids(engine, shared + "First?")
-    out, conv_a = reg.generate(a, max_new_tokens=8, seed=1)
+    out, conv_a = routed_generate(p, a, seed=1)
     assert out.reused_tokens == 0
 
     # A follow-up that extends A's log continues A.
     cached = len(conv_a.log)
     follow = conv_a.log + engine.tokenizer.encode("<|turn>user\nMore<turn|>\n")
-    out, conv = reg.generate(follow, max_new_tokens=8, seed=1)
+    out, conv = routed_generate(p, follow, seed=1)
     assert conv is conv_a and out.reused_tokens == cached >= len(a)
 
     # A request that shares only the system prompt forks: A stays cached for its own client.
     a_log = list(conv_a.log)
     b = _ids(engine, shared + "Second?")
-    out, conv_b = reg.generate(b, max_new_tokens=8, seed=2)
+    out, conv_b = routed_generate(p, b, seed=2)
     assert conv_b is not conv_a and conv_a.log == a_log
     assert out.reused_tokens > 16
     reg.check()
 
     # A third unrelated conversation evicts the least recently used one (A), never more than the bound.
-    out, conv_c = reg.generate(_ids(engine, "Unrelated."), max_new_tokens=8, seed=3)
+    out, conv_c = routed_generate(p, _ids(engine, "Unrelated."), seed=3)
     assert len(reg) == 2 and conv_c is conv_a and out.reused_tokens == 0
     reg.check()
 
 
 def test_copy_prefix_is_byte_exact(engine) -> None:
-    reg = Registry(engine, CTX, max_conversations=2)
     ids = _ids(engine, "Copy me " * 20)
-    _, src = reg.generate(ids, max_new_tokens=16, seed=4)
+    _, src = routed_generate(Pipeline(engine, CTX, max_conversations=2), ids, seed=4, max_new_tokens=16)
     dst = engine.new_cache(CTX)
     n = len(ids) - 5
     copy_prefix(src.kv, dst, n)
@@ -71,12 +71,12 @@ def test_a_full_pool_salvages_a_long_prefix_in_place_and_re_prefills_the_rest(en
 
     from diffgemma.session import registry as R
 
-    reg = Registry(engine, CTX, max_conversations=1)
+    p = Pipeline(engine, CTX, max_conversations=1)
+    reg = p.registry
     prefix = engine.tokenizer.encode("word " * (R.SALVAGE_MIN_PREFIX + 20))
     a = prefix + engine.tokenizer.encode(" first question")
-    conv = reg.route(a)
+    _, conv = routed_generate(p, a, seed=1)
     assert reg.decision == "new"
-    conv.generate(a, max_new_tokens=8, seed=1)
     with caplog.at_level(logging.INFO, logger="diffgemma.server"):
         again = reg.route(prefix + engine.tokenizer.encode(" second"))
     assert again is conv and reg.decision == "salvage" and len(conv.log) > len(prefix)  # the caller cuts
@@ -86,11 +86,10 @@ def test_a_full_pool_salvages_a_long_prefix_in_place_and_re_prefills_the_rest(en
     )
     assert conv.log == []  # five shared tokens are not worth keeping: prefilled anew
 
-    two = Registry(engine, CTX, max_conversations=2)
-    x = two.route(a)
-    x.generate(a, max_new_tokens=8, seed=1)
-    y = two.route(engine.tokenizer.encode("other " * 40))
-    y.generate(engine.tokenizer.encode("other " * 40), max_new_tokens=8, seed=1)
+    p2 = Pipeline(engine, CTX, max_conversations=2)
+    two = p2.registry
+    _, x = routed_generate(p2, a, seed=1)
+    _, y = routed_generate(p2, engine.tokenizer.encode("other " * 40), seed=1)
     z = two.route(prefix + engine.tokenizer.encode(" second"))  # every slot taken, a long shared prefix
     assert z is x and two.decision == "salvage"
     w = two.route(a[:40] + engine.tokenizer.encode(" elsewhere"))  # a short prefix: a copy into the LRU slot

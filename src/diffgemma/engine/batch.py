@@ -179,7 +179,7 @@ class Scheduler:
     def _prefill(self, scheduled: SchedulerOutput, turn: Turn, ids: list[int]) -> Prefill:
         """`ids` after `turn`'s cache, in the dtype seed rule 7 gives them there (`prefill_dtype`)."""
         n = len(ids)
-        return Prefill(turn.kv, ids, prefill_dtype(self.runner, n, scheduled.cached(turn.kv), turn.cfg))
+        return Prefill(turn.kv, ids, prefill_dtype(self.runner.dtype, n, scheduled.cached(turn.kv), turn.cfg))
 
     # -- taking what ran --------------------------------------------------------------------------------------
 

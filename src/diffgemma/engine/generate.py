@@ -105,6 +105,7 @@ class Canvas:
         block_index: int = 0,
         logprobs: int | None = None,
         softcap: float | None = None,
+        dtype: torch.dtype = torch.float32,
     ):
         self.cfg, self.length, self.block, self.logprobs, self.softcap = (
             cfg,
@@ -113,6 +114,9 @@ class Canvas:
             logprobs,
             softcap,
         )
+        # what a lone step's SC output buffer needs when no graph offers its own (`step_canvas`), held here so that
+        # a step asks the runner for nothing but its forward
+        self.vocab, self.device, self.dtype = vocab, device, dtype
         rng = Rng(seed)
         n = self.steps_max = cfg.max_denoising_steps
         # All noise for the block in one host->device copy: the initial canvas, then one row per step.
@@ -187,8 +191,9 @@ def denoise_block(
     (k >= 0), each row's committed token's log probability and its top k alternatives (`TokenLogprob`)."""
     m = model.cfg
     canvas = Canvas(
-        m.vocab_size, cfg, seed, canvas_len, model.device, block_index, logprobs, m.final_logit_softcapping
-    )
+        m.vocab_size, cfg, seed, canvas_len, model.device, block_index, logprobs, m.final_logit_softcapping,
+        model.dtype,
+    )  # fmt: skip
     return run_canvas(model, canvas, kv, on_step, cancel)
 
 
@@ -223,13 +228,15 @@ def step_canvas(model: ModelRunner, canvas: Canvas, kv: KVCache) -> StepInfo:
     # The dense SC input is the exact path: fp32 probabilities, not the graph's 16-bit buffer (seed §5).
     sc_out = None
     if canvas.cfg.sc_sparse:
-        sc_out = model.sc_input_buffer(kv, canvas.length)
+        # only captured graphs have an SC input buffer (`graphs_on`, an attribute: without graphs a step enters the
+        # runner for its forward alone)
+        sc_out = model.sc_input_buffer(kv, canvas.length) if model.graphs_on else None
         if sc_out is None:
             # No graph yet: a buffer in the dtype a graph's would have. Written in fp32 and cast by torch, the
             # SC input was one ulp off the sampler's own rounding in a few elements, so a first request that
             # captured graphs got other ids than the same request later (docs/performance.md, "Sampler row
             # pass").
-            sc_out = torch.empty(canvas.length, model.cfg.vocab_size, device=model.device, dtype=model.dtype)
+            sc_out = torch.empty(canvas.length, canvas.vocab, device=canvas.device, dtype=canvas.dtype)
     return canvas.step(logits[0], sc_out)
 
 
@@ -256,19 +263,27 @@ def confidence_cut(tokens: list[int], p_max: list[float], tau: float, stop_ids: 
     return len(tokens)
 
 
-def prefill(model: ModelRunner, ids: list[int], kv: KVCache, cfg: SamplerConfig) -> None:
-    """Extend `kv` by ids under seed rule 7 (`prefill_dtype`)."""
+def prefill(
+    model: ModelRunner,
+    ids: list[int],
+    kv: KVCache,
+    cfg: SamplerConfig,
+    model_dtype: torch.dtype | None = None,
+) -> None:
+    """Extend `kv` by ids under seed rule 7 (`prefill_dtype`). `model_dtype`: the runner's dtype when the caller holds
+    it already (a `Turn`, which reads it once)."""
     if not ids:
         return
     t = torch.tensor([ids], dtype=torch.long)
-    model.prefill(t, kv, compute_dtype=prefill_dtype(model, len(ids), kv.length, cfg))
+    model.prefill(t, kv, compute_dtype=prefill_dtype(model_dtype or model.dtype, len(ids), kv.length, cfg))
 
 
-def prefill_dtype(model: ModelRunner, n: int, cached: int, cfg: SamplerConfig) -> torch.dtype | None:
-    """The activations' dtype of n tokens prefilled after `cached` ones (None: the model's)."""
+def prefill_dtype(dtype: torch.dtype, n: int, cached: int, cfg: SamplerConfig) -> torch.dtype | None:
+    """The activations' dtype of n tokens prefilled after `cached` ones on a model in `dtype` (None: the model's):
+    the one prefill precision rule."""
     # Seed rule 7: a whole prompt of up to prefill_f32_max_tokens, into an empty cache, prefills with fp32
-    # activations; what extends a cache (a later turn, a committed block) takes the model-dtype path.
-    f32 = cached == 0 and 0 < n <= cfg.prefill_f32_max_tokens and model.dtype != torch.float32
+    # activations; what extends a cache (a later turn, a committed block, a Finalize) takes the model-dtype path.
+    f32 = cached == 0 and 0 < n <= cfg.prefill_f32_max_tokens and dtype != torch.float32
     return torch.float32 if f32 else None
 
 
@@ -317,8 +332,10 @@ class Turn:
         )  # fmt: skip
         self.prompt_ids = list(prompt_ids)  # the uncached prompt the turn prefills first
         self.stop_ids = set(cfg.stop_token_ids)
-        self.blank_ids = {cfg.pad_token_id, S.filler_id(model.cfg.vocab_size)}  # no text: `pad_block_stop`
-        canvas_len = model.cfg.canvas_length
+        # the runner's model config, device and dtype, read once: a block enters the runner for its forwards alone
+        self.model_cfg, self.device, self.dtype = model.cfg, model.device, model.dtype
+        self.blank_ids = {cfg.pad_token_id, S.filler_id(self.model_cfg.vocab_size)}  # `pad_block_stop`
+        canvas_len = self.model_cfg.canvas_length
         self.max_blocks = -(-max_new // canvas_len) * (2 if cfg.commit_conf_trim > 0 else 1)  # trim headroom
         self.out = GenerateOutput(token_ids=[], prompt_tokens=len(prompt_ids))
         self.block = 0
@@ -344,8 +361,8 @@ class Turn:
     def _prefill(self, ids: list[int]) -> None:
         """`prefill` ids into the turn's cache, its time counted as the turn's prefill time."""
         t0 = time.perf_counter()
-        prefill(self.model, ids, self.kv, self.cfg)
-        sync(self.model)
+        prefill(self.model, ids, self.kv, self.cfg, self.dtype)
+        sync(self.device)
         self.out.prefill_seconds += time.perf_counter() - t0
 
     @property
@@ -353,7 +370,7 @@ class Turn:
         return self.max_new - len(self.out.token_ids)
 
     def _canvas_length(self) -> int:
-        canvas_len = self.model.cfg.canvas_length
+        canvas_len = self.model_cfg.canvas_length
         return min(canvas_len, max(self.remaining, MIN_CANVAS)) if self.cfg.canvas_shrink else canvas_len
 
     def propose(
@@ -379,11 +396,11 @@ class Turn:
         """The next proposal's canvas (`propose` runs it; a caller that runs its forwards itself, `engine.batch`,
         prefills what is left of the prompt and `pending` first and calls `propose_from(canvas.result)` when it is
         done)."""
-        m = self.model.cfg
+        m = self.model_cfg
         seed = block_seed(self.seed, self.block, self.retry)
         return Canvas(
-            m.vocab_size, self.cfg, seed, self.length, self.model.device, self.block, self.logprobs,
-            m.final_logit_softcapping,
+            m.vocab_size, self.cfg, seed, self.length, self.device, self.block, self.logprobs,
+            m.final_logit_softcapping, self.dtype,
         )  # fmt: skip
 
     def propose_from(self, res: BlockResult | None) -> Proposal | None:
@@ -510,7 +527,7 @@ def generate(
     return drive(turn, on_step, cancel, on_commit)
 
 
-def sync(model: ModelRunner) -> None:
+def sync(device: torch.device) -> None:
     """Wait for the model's device (CUDA), so that host clocks time its work."""
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

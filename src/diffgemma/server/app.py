@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from diffgemma.chat import questions as Q
-from diffgemma.engine.engine import Engine
+from diffgemma.engine.engine import EngineCore
 from diffgemma.engine.generate import CancelToken
 from diffgemma.server import responses as R
 from diffgemma.server.errors import APIError, invalid
@@ -65,7 +65,7 @@ def route_label(path: str) -> str:
     return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 
-def model_id_of(engine: Engine) -> str:
+def model_id_of(engine: EngineCore) -> str:
     return Path(engine.path).resolve().name if engine.path is not None else "diffgemma"
 
 
@@ -199,7 +199,7 @@ def _page_file(name: str) -> Response:
 
 
 def create_app(
-    engine: Engine,
+    engine: EngineCore,
     *,
     model_id: str | None = None,
     ctx: int | None = None,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from diffgemma.config import API_KEY_ENV, SERVE_CONTEXT, ModelConfig, env_api_key, load_runtime_config
-from diffgemma.engine.engine import Engine, load
+from diffgemma.engine.engine import EngineCore
 from diffgemma.model.kv_cache import cache_bytes, kv_layout, ring_slots
 from diffgemma.runner.parallel import join, leave, release
 from diffgemma.server.app import DEFAULT_MAX_CONVERSATIONS, DEFAULT_MAX_QUEUE, create_app
@@ -54,12 +54,12 @@ def resolve_api_key(
     return key
 
 
-def serve_ring(engine: Engine, ctx: int) -> int:
+def serve_ring(engine: EngineCore, ctx: int) -> int:
     """A served conversation's sliding-layer ring slots (room to rewind `SERVE_REWIND_SLACK` tokens)."""
     return ring_slots(engine.config, ctx, SERVE_REWIND_SLACK)
 
 
-def kv_bytes(engine: Engine, ctx: int) -> int:
+def kv_bytes(engine: EngineCore, ctx: int) -> int:
     """Bytes of one conversation's preallocated KV cache at context `ctx`."""
     return cache_bytes(engine.config, ctx, engine.model.dtype, serve_ring(engine, ctx))
 
@@ -73,7 +73,7 @@ def free_memory(device: torch.device) -> int | None:
         return None
 
 
-def plan_memory(engine: Engine, ctx: int, max_conversations: int) -> tuple[int, int]:
+def plan_memory(engine: EngineCore, ctx: int, max_conversations: int) -> tuple[int, int]:
     """Bound the context and the number of cached conversations by the memory left after the weights."""
     free = free_memory(engine.model.device)
     if free is None:
@@ -167,7 +167,9 @@ def serve(
         front = (host, port, [replica_port(port, r) for r in range(world)]) if rank == 0 else None
         host, port = "127.0.0.1", replica_port(port, rank)
     ctx = ModelConfig.from_dir(model_path).context(ctx, SERVE_CONTEXT)
-    engine = load(model_path, device=device, dtype=dtype, max_tokens=ctx, threads=threads, runtime=runtime)
+    engine = EngineCore.load(
+        model_path, device=device, dtype=dtype, max_tokens=ctx, threads=threads, runtime=runtime
+    )
     if runtime.expert_parallel > 1 and rank > 0:
         log.info(
             "expert parallel: rank %d serves experts %s of every layer to rank 0",

@@ -1,11 +1,9 @@
-"""A conversation's token log mirrored by its KV cache: reuse the longest common prefix, prefill the rest."""
+"""A conversation's token log mirrored by its KV cache: `sync` keeps the longest common prefix with a prompt (the
+pipeline prefills the rest, under the engine's one prefill rule)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from diffgemma.engine.engine import ContextOverflow, Engine
-from diffgemma.engine.generate import GenerateOutput
+from diffgemma.engine.engine import EngineCore
 from diffgemma.model.kv_cache import REWIND_SLACK, ring_slots
 
 
@@ -20,7 +18,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class Conversation:
     """A KV cache and the tokens it holds (`log`, kept by the prefill: len(log) == kv.length)."""
 
-    def __init__(self, engine: Engine, max_tokens: int | None = None, rewind_slack: int = REWIND_SLACK):
+    def __init__(self, engine: EngineCore, max_tokens: int | None = None, rewind_slack: int = REWIND_SLACK):
         self.engine = engine
         max_tokens = max_tokens or engine.max_tokens
         self.kv = engine.runner.new_cache(
@@ -49,18 +47,3 @@ class Conversation:
                 self.kv.reset()
                 n = 0
         return n
-
-    def generate(self, ids: list[int], **kwargs: Any) -> GenerateOutput:
-        """Generate a reply to the full prompt `ids`, prefilling only what the cache lacks."""
-        if len(ids) + 1 > self.kv.max_tokens:
-            raise ContextOverflow(
-                f"prompt of {len(ids)} tokens does not fit the context of {self.kv.max_tokens}"
-            )
-        reused = self.sync(ids)
-        try:
-            out = self.engine.generate(ids[reused:], kv=self.kv, **kwargs)
-        except BaseException:
-            self.reset()  # never leave a half-written cache behind
-            raise
-        out.reused_tokens = reused
-        return out

@@ -12,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from diffgemma.engine.engine import Engine
+from diffgemma.engine.engine import EngineCore
 from diffgemma.session import ops as O
 from diffgemma.session.oplog import AfterSteps, OpLog
 from diffgemma.session.pipeline import Pipeline, call
@@ -28,7 +28,7 @@ WEATHER = {
 }
 
 
-def _chat(engine: Engine, text: str, **kw: Any) -> list[int]:
+def _chat(engine: EngineCore, text: str, **kw: Any) -> list[int]:
     return engine.prompt_ids([{"role": "user", "content": text}], **kw)
 
 
@@ -36,14 +36,14 @@ def _fingerprint(p: Any) -> None:
     call(p, O.KvFingerprint())
 
 
-def short_prompt(p: Any, engine: Engine) -> None:
+def short_prompt(p: Any, engine: EngineCore) -> None:
     ids = _chat(engine, "What is 17 + 25?")
     call(p, O.Route(ids))
     call(p, O.Generate(ids, seed=1))
     _fingerprint(p)
 
 
-def long_prompt(p: Any, engine: Engine) -> None:
+def long_prompt(p: Any, engine: EngineCore) -> None:
     lines = "\n".join(f"The code word for item {i} is word{i * 7 % 97}." for i in range(40))
     ids = _chat(engine, f"{lines}\nWhat is the code word for item 3?")
     call(p, O.Route(ids))
@@ -51,14 +51,14 @@ def long_prompt(p: Any, engine: Engine) -> None:
     _fingerprint(p)
 
 
-def several_blocks(p: Any, engine: Engine) -> None:
+def several_blocks(p: Any, engine: EngineCore) -> None:
     ids = _chat(engine, "Count from 37 to 55.")  # the demo's multi-block task
     call(p, O.Route(ids))
     call(p, O.Generate(ids, seed=3, max_new_tokens=200))
     _fingerprint(p)
 
 
-def ring_wrap(p: Any, engine: Engine) -> None:
+def ring_wrap(p: Any, engine: EngineCore) -> None:
     # past the sliding layers' ring (window + rewind slack): positions wrap around their slots
     call(p, O.Activate(0))
     ring = p.active.kv.ring_size + engine.config.canvas_length
@@ -72,7 +72,7 @@ def ring_wrap(p: Any, engine: Engine) -> None:
     _fingerprint(p)
 
 
-def rewind_regenerate(p: Any, engine: Engine) -> None:
+def rewind_regenerate(p: Any, engine: EngineCore) -> None:
     ids = _chat(engine, "What is 9 + 9?")
     call(p, O.Activate(0))
     call(p, O.Extend(ids))
@@ -85,7 +85,7 @@ def rewind_regenerate(p: Any, engine: Engine) -> None:
     _fingerprint(p)
 
 
-def tool_turn(p: Any, engine: Engine) -> None:
+def tool_turn(p: Any, engine: EngineCore) -> None:
     question = [{"role": "user", "content": "What is the weather in Oslo?"}]
     ids = engine.prompt_ids(question, tools=[WEATHER])
     call(p, O.Route(ids))
@@ -107,7 +107,7 @@ def tool_turn(p: Any, engine: Engine) -> None:
     _fingerprint(p)
 
 
-def cancel_resume(p: Any, engine: Engine) -> None:
+def cancel_resume(p: Any, engine: EngineCore) -> None:
     ids = _chat(engine, "Count from 1 to 30, separated by commas.")
     call(p, O.Route(ids))
     token = AfterSteps(5)
@@ -117,7 +117,7 @@ def cancel_resume(p: Any, engine: Engine) -> None:
     _fingerprint(p)
 
 
-def reroll(p: Any, engine: Engine) -> None:
+def reroll(p: Any, engine: EngineCore) -> None:
     ids = _chat(engine, "Is 7 larger than 3? Answer yes or no.")
     call(p, O.Activate(0))
     call(p, O.Extend(ids))
@@ -133,7 +133,7 @@ def reroll(p: Any, engine: Engine) -> None:
     _fingerprint(p)  # the first fingerprint again
 
 
-def splice(p: Any, engine: Engine) -> None:
+def splice(p: Any, engine: EngineCore) -> None:
     ids = _chat(engine, "What is 4 + 4?")
     call(p, O.Activate(0))
     call(p, O.Extend(ids))
@@ -142,7 +142,7 @@ def splice(p: Any, engine: Engine) -> None:
     _fingerprint(p)
 
 
-PATHS: dict[str, Callable[[Any, Engine], None]] = {
+PATHS: dict[str, Callable[[Any, EngineCore], None]] = {
     f.__name__: f
     for f in (
         short_prompt, long_prompt, several_blocks, ring_wrap, rewind_regenerate, tool_turn, cancel_resume,
@@ -157,7 +157,7 @@ def engine_output(reply: O.Replied):
     return GenerateOutput(token_ids=list(reply.token_ids), finish_reason=reply.finish_reason)
 
 
-def bless(engine: Engine, path: Path = FIXTURE) -> Path:
+def bless(engine: EngineCore, path: Path = FIXTURE) -> Path:
     """Record every path into the fixture, replacing it."""
     path.unlink(missing_ok=True)
     for name, script in PATHS.items():
@@ -169,7 +169,7 @@ def bless(engine: Engine, path: Path = FIXTURE) -> Path:
     return path
 
 
-def check(engine: Engine, path: Path = FIXTURE) -> tuple[bool, str]:
+def check(engine: EngineCore, path: Path = FIXTURE) -> tuple[bool, str]:
     """Replay the fixture on `engine`: (identical, one line)."""
     from diffgemma.session.oplog import replay
 

@@ -26,15 +26,15 @@ from typing import Any
 
 import torch
 
-import diffgemma
 from diffgemma.engine.batch import Request
-from diffgemma.engine.engine import Engine
+from diffgemma.engine.engine import EngineCore
 from diffgemma.engine.generate import CancelToken, StepInfo
 from diffgemma.session import ops as O
 from diffgemma.session import pipeline as pipeline_module
 from diffgemma.session.journal import JournalFile
 from diffgemma.session.pipeline import Pipeline, sampler_fields
 from diffgemma.session.stage import Around, Emit, OnStep, Stage
+from diffgemma.version import __version__
 
 
 def model_identity(path: Path | None) -> str:
@@ -56,7 +56,7 @@ def model_identity(path: Path | None) -> str:
     return h.hexdigest()
 
 
-def platform_of(engine: Engine) -> str:
+def platform_of(engine: EngineCore) -> str:
     """What a KV cache's bytes depend on beyond the ops: torch's build and the processor its kernels were chosen
     for (the same fp32 prefill on an AVX-512 and an AVX2 kernel path rounds differently; the tokens agreed)."""
     if engine.model.device.type == "cuda":
@@ -79,7 +79,7 @@ def _cpu_model() -> str:
 def header(pipeline: Stage) -> dict[str, Any]:
     engine = pipeline.engine
     return {
-        "diffgemma": diffgemma.__version__,
+        "diffgemma": __version__,
         "platform": platform_of(engine),
         "model": str(engine.path) if engine.path is not None else None,
         "model_id": model_identity(engine.path),
@@ -313,7 +313,7 @@ def _label(hdr: dict[str, Any]) -> str:
     return f" ({hdr['label']})" if hdr.get("label") else ""
 
 
-def check_identity(session: Session, engine: Engine, path: str | Path) -> None:
+def check_identity(session: Session, engine: EngineCore, path: str | Path) -> None:
     """ValueError (one line) when the log was recorded on other weights than `engine`'s."""
     want, have = session.header.get("model_id"), model_identity(engine.path)
     if want != have:
@@ -323,7 +323,9 @@ def check_identity(session: Session, engine: Engine, path: str | Path) -> None:
         )
 
 
-def replay(path: str | Path, engine: Engine, on_op: Callable[[Step], None] | None = None) -> tuple[bool, str]:
+def replay(
+    path: str | Path, engine: EngineCore, on_op: Callable[[Step], None] | None = None
+) -> tuple[bool, str]:
     """Re-execute every session of the log at `path` on `engine` and compare each event: (identical, one line)."""
     sessions = read_log(path)
     for session in sessions:
@@ -336,7 +338,7 @@ def replay(path: str | Path, engine: Engine, on_op: Callable[[Step], None] | Non
 
 
 def _replay(
-    sessions: list[Session], engine: Engine, on_op: Callable[[Step], None] | None
+    sessions: list[Session], engine: EngineCore, on_op: Callable[[Step], None] | None
 ) -> tuple[bool, str]:
     ops = events = unchecked = 0
     here = platform_of(engine)

@@ -15,13 +15,20 @@ import torch
 
 from diffgemma.config import SamplerConfig
 from diffgemma.engine.batch import Request
-from diffgemma.engine.engine import ContextOverflow, Engine
-from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo, TokenLogprob, Turn, drive
-from diffgemma.engine.generate import prefill as prompt_prefill
+from diffgemma.engine.engine import ContextOverflow, EngineCore
+from diffgemma.engine.generate import (
+    CancelToken,
+    GenerateOutput,
+    StepInfo,
+    TokenLogprob,
+    Turn,
+    drive,
+    prefill,
+)
 from diffgemma.engine.rng import Rng
 from diffgemma.session import ops as O
 from diffgemma.session.conversation import Conversation, common_prefix
-from diffgemma.session.registry import Registry, prefill
+from diffgemma.session.registry import Registry
 from diffgemma.session.stage import Emit, Ended, OnStep, Stage
 
 # Failed.kind of an op refused for the size of what it asked (ContextOverflow): the request's doing. Any other kind is
@@ -86,7 +93,7 @@ class CountingCancel(CancelToken):
 class Pipeline(Stage):
     """Conversations (a `Registry`: routing by longest common prefix, forks, eviction) and the open turn."""
 
-    def __init__(self, engine: Engine, ctx: int | None = None, max_conversations: int = 4) -> None:
+    def __init__(self, engine: EngineCore, ctx: int | None = None, max_conversations: int = 4) -> None:
         self._engine = engine
         self._registry = Registry(engine, ctx or engine.max_tokens, max_conversations)
         self.lineage: dict[int, Lineage] = {}  # id(Conversation) -> its lineage
@@ -122,7 +129,7 @@ class Pipeline(Stage):
         }
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> EngineCore:
         return self._engine
 
     @property
@@ -210,18 +217,17 @@ class Pipeline(Stage):
 
     # -- the active log ---------------------------------------------------------------------------------------
 
-    def _prefill(self, ids: list[int], fp32_short: bool = False) -> None:
-        """Extend the active cache by ids; a failure empties it (never a half-written cache)."""
+    def _prefill(self, ids: list[int]) -> None:
+        """Extend the active cache by ids under the one prefill precision rule (`engine.generate.prefill`: a whole
+        short prompt into an empty cache in fp32, every extension in the model's dtype); a failure empties it
+        (never a half-written cache)."""
         conv = self._conv()
         if conv.kv.length + len(ids) > conv.max_tokens - 1:
             raise ContextOverflow(
                 f"{len(ids)} tokens do not fit the context ({conv.kv.length}/{conv.max_tokens} used)"
             )
         try:
-            if fp32_short:
-                prefill(self.engine, ids, conv.kv)  # the finalize policy: a short extension in fp32
-            else:
-                prompt_prefill(self.engine.runner, ids, conv.kv, self.engine.sampler)
+            prefill(self.engine.runner, ids, conv.kv, self.engine.sampler)
         except BaseException:
             conv.reset()
             raise
@@ -241,7 +247,7 @@ class Pipeline(Stage):
             return
         n = conv.sync(ids)
         if ids[n:]:
-            self._prefill(ids[n:], fp32_short=True)
+            self._prefill(ids[n:])
         emit(O.Finalized(self.kv_id()))
 
     def _rewind(self, op: O.Rewind, emit: Emit, **_: Any) -> None:

@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
-import torch
-
-from diffgemma.engine.engine import Engine
-from diffgemma.engine.generate import GenerateOutput
+from diffgemma.engine.engine import EngineCore
 from diffgemma.model.kv_cache import KVCache
 from diffgemma.session import Conversation, common_prefix
 
@@ -33,7 +29,7 @@ SERVE_REWIND_SLACK = 4096
 
 
 class Registry:
-    def __init__(self, engine: Engine, ctx: int, max_conversations: int = 4) -> None:
+    def __init__(self, engine: EngineCore, ctx: int, max_conversations: int = 4) -> None:
         if max_conversations < 1:
             raise ValueError("max_conversations must be at least 1")
         self.engine = engine
@@ -140,36 +136,10 @@ class Registry:
         self.engine.runner.rewind(fork.kv, shared)  # the copy's last chunk as a prefill of its own tokens
         return self.touch(fork)
 
-    def generate(self, ids: list[int], **kwargs: Any) -> tuple[GenerateOutput, Conversation]:
-        conv = self.route(ids)
-        return conv.generate(ids, **kwargs), conv
-
-    def finalize(self, conv: Conversation, ids: list[int]) -> None:
-        """Make `conv` hold exactly `ids` (the canonical render of the finished turn): truncate to the shared
-        prefix and prefill the rest, so the client's next request finds its whole history cached."""
-        if len(ids) + 1 >= conv.max_tokens:
-            return
-        n = conv.sync(ids)
-        rest = ids[n:]
-        if not rest:
-            return
-        try:
-            prefill(self.engine, rest, conv.kv)
-        except BaseException:
-            conv.reset()  # never leave a half-written cache behind
-            raise
-
     def check(self) -> None:
         """The invariant every conversation keeps (tests call this)."""
         for conv in self.conversations:
             assert len(conv.log) == conv.kv.length, (len(conv.log), conv.kv.length)
-
-
-def prefill(engine: Engine, ids: list[int], kv: KVCache) -> None:
-    """Extend `kv` by `ids` with the engine's prefill precision policy (short prompts in fp32)."""
-    cfg, runner = engine.sampler, engine.runner
-    f32 = 0 < len(ids) <= cfg.prefill_f32_max_tokens and runner.dtype != torch.float32
-    runner.prefill(ids, kv, compute_dtype=torch.float32 if f32 else None)
 
 
 def copy_prefix(src: KVCache, dst: KVCache, n: int) -> None:

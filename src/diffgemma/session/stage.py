@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from diffgemma.config import SamplerConfig
 from diffgemma.engine.batch import Request
-from diffgemma.engine.engine import Engine
+from diffgemma.engine.engine import EngineCore
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo
 from diffgemma.session import ops as O
 from diffgemma.session.conversation import Conversation
@@ -33,7 +33,7 @@ class Stage(ABC):
 
     @property
     @abstractmethod
-    def engine(self) -> Engine:
+    def engine(self) -> EngineCore:
         """The engine every op runs on."""
 
     @property
@@ -96,7 +96,7 @@ class Around(Stage):
         self.inner = inner
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> EngineCore:
         return self.inner.engine
 
     @property
