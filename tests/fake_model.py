@@ -27,6 +27,7 @@ class FakeModel:
         self.device = torch.device("cpu")
         self.dtype = dtype
         self.graphs_on = False  # as a runner without CUDA graphs: no SC input buffer to ask for
+        self.fast = False  # the reference kernels: the sampler's torch row pass
         self.script = script
         self.canvases: list[list[int]] = []
         self.sc: list[str] = []

@@ -32,6 +32,7 @@ class ContractRunner:
         self.cfg = SimpleNamespace(vocab_size=V, canvas_length=C, final_logit_softcapping=None)
         self.device = torch.device("cpu")
         self.dtype = dtype
+        self.fast = False  # the kernels a Turn reads once, for its sampler's row pass
         self.texts = texts  # id(kv) -> the prompt then the reply the "model" writes after it
         self.plans: list[StepPlan] = []
 

@@ -106,7 +106,9 @@ class Canvas:
         logprobs: int | None = None,
         softcap: float | None = None,
         dtype: torch.dtype = torch.float32,
+        fast: bool = False,
     ):
+        self.fast = fast  # the run's kernels (`kernels.dispatch.fast_kernels`): the row pass's too
         self.cfg, self.length, self.block, self.logprobs, self.softcap = (
             cfg,
             length,
@@ -152,7 +154,7 @@ class Canvas:
         cfg, i = self.cfg, self.i
         temp = S.temperature(cfg, self.steps_max - i)
         stats = self.stats = S.row_stats(
-            logits, temp, cfg.sc_sparse, self.uniforms is not None, sc_out, self.softcap
+            logits, temp, cfg.sc_sparse, self.uniforms is not None, sc_out, self.softcap, self.fast
         )
         invalid = S.guard_invalid_rows(stats, self.filler)
         mask = S.accept_mask(stats.entropy, cfg.entropy_bound)
@@ -192,7 +194,7 @@ def denoise_block(
     m = model.cfg
     canvas = Canvas(
         m.vocab_size, cfg, seed, canvas_len, model.device, block_index, logprobs, m.final_logit_softcapping,
-        model.dtype,
+        model.dtype, model.fast,
     )  # fmt: skip
     return run_canvas(model, canvas, kv, on_step, cancel)
 
@@ -333,7 +335,7 @@ class Turn:
         self.prompt_ids = list(prompt_ids)  # the uncached prompt the turn prefills first
         self.stop_ids = set(cfg.stop_token_ids)
         # the runner's model config, device and dtype, read once: a block enters the runner for its forwards alone
-        self.model_cfg, self.device, self.dtype = model.cfg, model.device, model.dtype
+        self.model_cfg, self.device, self.dtype, self.fast = model.cfg, model.device, model.dtype, model.fast
         self.blank_ids = {cfg.pad_token_id, S.filler_id(self.model_cfg.vocab_size)}  # `pad_block_stop`
         canvas_len = self.model_cfg.canvas_length
         self.max_blocks = -(-max_new // canvas_len) * (2 if cfg.commit_conf_trim > 0 else 1)  # trim headroom
@@ -400,7 +402,7 @@ class Turn:
         seed = block_seed(self.seed, self.block, self.retry)
         return Canvas(
             m.vocab_size, self.cfg, seed, self.length, self.device, self.block, self.logprobs,
-            m.final_logit_softcapping, self.dtype,
+            m.final_logit_softcapping, self.dtype, self.fast,
         )  # fmt: skip
 
     def propose_from(self, res: BlockResult | None) -> Proposal | None:

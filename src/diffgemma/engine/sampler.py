@@ -44,14 +44,15 @@ def row_stats(
     need_probs: bool = True,
     sc_out: torch.Tensor | None = None,
     softcap: float | None = None,
+    fast: bool = True,
 ) -> RowStats:
     """Tempered softmax, entropy, argmax and top probability per canvas row, and the next step's SC
     probabilities (sparse or not; written into `sc_out` when given). logits [C, V]: fp32, or with `softcap`
     the model's output before its final softcap (any float dtype), softcapped here as `torch_ref.softcap`.
 
-    On CUDA one Triton kernel (`kernels.triton_sampler`), which skips the dense probs when they are not needed
-    and sc is sparse; else (and after a Triton failure) the torch ops."""
-    if triton_rows(logits, softcap is not None):
+    With `fast` (the run's kernels) on CUDA one Triton kernel (`kernels.triton_sampler`), which skips the dense probs
+    when they are not needed and sc is sparse; else (and after a Triton failure) the torch ops."""
+    if fast and triton_rows(logits, softcap is not None):
         floor = SC_SPARSE_LOG_RATIO if sc_sparse else None
         out = dispatch.attempt(
             "triton_sampler", lambda m: m.row_stats(logits, temp, floor, need_probs, sc_out, softcap), logits
