@@ -213,7 +213,7 @@ def test_bare_bench_on_cpu_measures_the_demo_model_and_says_so(tmp_path):
 def test_the_real_shape_on_cpu_is_refused_before_allocating_when_it_cannot_fit(monkeypatch):
     import torch
 
-    import diffgemma.bench as B
+    import diffgemma.bench.prepare as B
 
     weights, cache = B.random_model_bytes(B.REAL_CONFIG, torch.bfloat16, 1024)
     assert 47 < weights / B.GIB < 50  # 25.8B parameters in two bytes each
@@ -234,7 +234,7 @@ def test_the_real_shape_on_cpu_is_refused_before_allocating_when_it_cannot_fit(m
 def test_the_real_shape_refusal_is_one_line_through_the_cli():
     import torch
 
-    import diffgemma.bench as B
+    import diffgemma.bench.prepare as B
 
     weights, cache = B.random_model_bytes(B.REAL_CONFIG, torch.float32, 1024)
     available = B.cpu_available_bytes()
