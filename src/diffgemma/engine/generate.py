@@ -173,7 +173,7 @@ class Canvas:
 
 
 def denoise_block(
-    model: ModelRunner,
+    runner: ModelRunner,
     kv: KVCache,
     cfg: SamplerConfig,
     seed: int,
@@ -185,15 +185,15 @@ def denoise_block(
 ) -> BlockResult | None:
     """Run the entropy-bound loop on one canvas; None if cancelled. Reads `kv`, never writes it. With `logprobs`
     (k >= 0), each row's committed token's log probability and its top k alternatives (`TokenLogprob`)."""
-    m = model.cfg
+    m = runner.cfg
     canvas = Canvas(
-        m.vocab_size, cfg, seed, canvas_len, model.device, block_index, logprobs, m.final_logit_softcapping
+        m.vocab_size, cfg, seed, canvas_len, runner.device, block_index, logprobs, m.final_logit_softcapping
     )
-    return run_canvas(model, canvas, kv, on_step, cancel)
+    return run_canvas(runner, canvas, kv, on_step, cancel)
 
 
 def run_canvas(
-    model: ModelRunner,
+    runner: ModelRunner,
     canvas: Canvas,
     kv: KVCache,
     on_step: Callable[[StepInfo], None] | None = None,
@@ -203,13 +203,13 @@ def run_canvas(
     while not canvas.done:
         if cancel is not None and cancel.cancelled:
             return None
-        info = step_canvas(model, canvas, kv)
+        info = step_canvas(runner, canvas, kv)
         if on_step is not None:
             on_step(info)
     return canvas.result
 
 
-def step_canvas(model: ModelRunner, canvas: Canvas, kv: KVCache, private_sc: bool = False) -> StepInfo:
+def step_canvas(runner: ModelRunner, canvas: Canvas, kv: KVCache, private_sc: bool = False) -> StepInfo:
     """One denoise step of a lone canvas after `kv`: the runner's forward (its fast path and graphs), then
     `Canvas.step`. `private_sc`: the next SC input in a buffer of the canvas's own, not the graphs' shared one, which
     another canvas's step would overwrite before this one's next (the scheduler interleaves canvases)."""
@@ -218,19 +218,21 @@ def step_canvas(model: ModelRunner, canvas: Canvas, kv: KVCache, private_sc: boo
     # the graph's input buffer once there is one.
     probs, seed_sc, exact = canvas.sc_input()
     if probs is not None:
-        logits = model.denoise(canvas.ids[None], kv, sc_probs=probs, sc_exact=exact, raw=True)
+        logits = runner.denoise(canvas.ids[None], kv, sc_probs=probs, sc_exact=exact, raw=True)
     else:
-        logits = model.denoise(canvas.ids[None], kv, sc_seed=seed_sc, raw=True)
+        logits = runner.denoise(canvas.ids[None], kv, sc_seed=seed_sc, raw=True)
     # The dense SC input is the exact path: fp32 probabilities, not the graph's 16-bit buffer (seed §5).
     sc_out = None
     if canvas.cfg.sc_sparse:
-        sc_out = None if private_sc else model.sc_input_buffer(kv, canvas.length)
+        sc_out = None if private_sc else runner.sc_input_buffer(kv, canvas.length)
         if sc_out is None:
             # No graph yet: a buffer in the dtype a graph's would have. Written in fp32 and cast by torch, the
             # SC input was one ulp off the sampler's own rounding in a few elements, so a first request that
             # captured graphs got other ids than the same request later (docs/performance.md, "Sampler row
             # pass").
-            sc_out = torch.empty(canvas.length, model.cfg.vocab_size, device=model.device, dtype=model.dtype)
+            sc_out = torch.empty(
+                canvas.length, runner.cfg.vocab_size, device=runner.device, dtype=runner.dtype
+            )
     return canvas.step(logits[0], sc_out)
 
 
@@ -257,15 +259,15 @@ def confidence_cut(tokens: list[int], p_max: list[float], tau: float, stop_ids: 
     return len(tokens)
 
 
-def prefill(model: ModelRunner, ids: list[int], kv: KVCache, cfg: SamplerConfig) -> None:
+def prefill(runner: ModelRunner, ids: list[int], kv: KVCache, cfg: SamplerConfig) -> None:
     """Extend `kv` by ids under seed rule 7 (a whole prompt into an empty cache in fp32)."""
     if not ids:
         return
     t = torch.tensor([ids], dtype=torch.long)
     # Seed rule 7: a whole prompt of up to prefill_f32_max_tokens, into an empty cache, prefills with fp32
     # activations; what extends a cache (a later turn, a committed block) takes the model-dtype path.
-    f32 = kv.length == 0 and 0 < len(ids) <= cfg.prefill_f32_max_tokens and model.dtype != torch.float32
-    model.prefill(t, kv, compute_dtype=torch.float32 if f32 else None)
+    f32 = kv.length == 0 and 0 < len(ids) <= cfg.prefill_f32_max_tokens and runner.dtype != torch.float32
+    runner.prefill(t, kv, compute_dtype=torch.float32 if f32 else None)
 
 
 @dataclass
@@ -296,7 +298,7 @@ class Turn:
 
     def __init__(
         self,
-        model: ModelRunner,
+        runner: ModelRunner,
         prompt_ids: list[int],
         kv: KVCache,
         cfg: SamplerConfig,
@@ -309,12 +311,12 @@ class Turn:
         if max_new <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new}")
         self.model, self.kv, self.cfg, self.seed, self.max_new, self.logprobs = (
-            model, kv, cfg, seed, max_new, logprobs
+            runner, kv, cfg, seed, max_new, logprobs
         )  # fmt: skip
         self.prompt_ids = list(prompt_ids)  # the uncached prompt the turn prefills first
         self.stop_ids = set(cfg.stop_token_ids)
-        self.blank_ids = {cfg.pad_token_id, S.filler_id(model.cfg.vocab_size)}  # no text: `pad_block_stop`
-        canvas_len = model.cfg.canvas_length
+        self.blank_ids = {cfg.pad_token_id, S.filler_id(runner.cfg.vocab_size)}  # no text: `pad_block_stop`
+        canvas_len = runner.cfg.canvas_length
         self.max_blocks = -(-max_new // canvas_len) * (2 if cfg.commit_conf_trim > 0 else 1)  # trim headroom
         self.out = GenerateOutput(token_ids=[], prompt_tokens=len(prompt_ids))
         self.block = 0
@@ -486,7 +488,7 @@ def drive(
 
 
 def generate(
-    model: ModelRunner,
+    runner: ModelRunner,
     prompt_ids: list[int],
     kv: KVCache,
     cfg: SamplerConfig,
@@ -500,12 +502,12 @@ def generate(
     """Prefill `prompt_ids` (the tokens not yet in `kv`) and generate a reply: a `Turn` `drive`n by
     `default_commit`. With `logprobs` (k >= 0), `out.logprobs` holds each generated token's `TokenLogprob` with k
     alternatives. On return `kv` holds the prompt and every committed block except the last one."""
-    turn = Turn(model, prompt_ids, kv, cfg, seed, max_new_tokens, logprobs)
+    turn = Turn(runner, prompt_ids, kv, cfg, seed, max_new_tokens, logprobs)
     on_commit = None if on_block is None else lambda _turn, kept: on_block(kept)
     return drive(turn, on_step, cancel, on_commit)
 
 
-def sync(model: ModelRunner) -> None:
+def sync(runner: ModelRunner) -> None:
     """Wait for the model's device (CUDA), so that host clocks time its work."""
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)

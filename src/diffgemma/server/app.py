@@ -25,7 +25,7 @@ from diffgemma.engine.engine import Engine
 from diffgemma.engine.generate import CancelToken
 from diffgemma.server import responses as R
 from diffgemma.server.errors import APIError, invalid
-from diffgemma.server.jobs import Canvas, ChatJob, CompletionJob, Delta, Done, Failed, QuestionJob
+from diffgemma.server.jobs import CanvasEvent, ChatJob, CompletionJob, Delta, Done, JobFailed, QuestionJob
 from diffgemma.server.metrics import Metrics
 from diffgemma.server.reqlog import RequestLog
 from diffgemma.server.schema import (
@@ -445,7 +445,7 @@ def create_app(
             except asyncio.CancelledError:  # the server shutting down past its grace: stop the turn too
                 cancel.cancel()
                 raise
-            if isinstance(event, Failed):
+            if isinstance(event, JobFailed):
                 raise event.error
             if isinstance(event, Done):
                 return deltas, event
@@ -498,13 +498,13 @@ def create_app(
                 event = await channel.get()
                 if isinstance(event, Delta):
                     yield chunk.delta(event)
-                elif isinstance(event, Canvas):  # asked for (`stream_options.canvas`): a named event
+                elif isinstance(event, CanvasEvent):  # asked for (`stream_options.canvas`): a named event
                     yield R.sse(event.body(), event="canvas")
                 elif isinstance(event, Done):
                     done = event
                     yield chunk.finish(event)
                     break
-                elif isinstance(event, Failed):
+                elif isinstance(event, JobFailed):
                     error = event.error.message
                     yield R.sse(event.error.body())
                     break

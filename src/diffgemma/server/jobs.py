@@ -1,7 +1,7 @@
 """What runs on the engine worker for one request: generate, parse, validate, stream, finalize the turn.
 
 The job turns committed blocks into `Delta` events for the request's `Channel` and ends with `Done` or
-`Failed`. Chat replies are parsed by the chat StreamParser (thought channel -> reasoning, tool-call grammar
+`JobFailed`. Chat replies are parsed by the chat StreamParser (thought channel -> reasoning, tool-call grammar
 -> tool calls); stop strings cut the content and cancel the generation between denoise steps.
 """
 
@@ -52,7 +52,7 @@ class Delta:
 
 
 @dataclass
-class Canvas:
+class CanvasEvent:
     """One denoise step's canvas, streamed as a `canvas` event (`stream_options.canvas`): each row's most likely
     token's text, whether the step accepted it (else it was renoised), and its entropy in nats."""
 
@@ -76,7 +76,7 @@ class Canvas:
 
 
 class CanvasFrames:
-    """A Generate's `on_step`: each step's `Canvas` to `emit`, at most one every `interval_ms` (the step's tensors
+    """A Generate's `on_step`: each step's `CanvasEvent` to `emit`, at most one every `interval_ms` (the step's tensors
     are read to the host only for the steps sent)."""
 
     def __init__(self, tok: ChatTokenizer, interval_ms: int, emit: Callable[[Any], None]) -> None:
@@ -91,7 +91,9 @@ class CanvasFrames:
         ids = info.argmax.tolist()
         pieces = [self.tok.token_bytes(i).decode("utf-8", "replace") for i in ids]
         entropy = info.entropy.tolist()
-        self.emit(Canvas(info.block, info.step, info.temperature, pieces, info.accepted.tolist(), entropy))
+        self.emit(
+            CanvasEvent(info.block, info.step, info.temperature, pieces, info.accepted.tolist(), entropy)
+        )
 
 
 @dataclass
@@ -114,7 +116,7 @@ class Done:
 
 
 @dataclass
-class Failed:
+class JobFailed:
     error: APIError
 
 
@@ -227,7 +229,7 @@ class _Base:
         self._first = True
 
     def fail(self, error: APIError) -> None:
-        self.channel.put(Failed(error))
+        self.channel.put(JobFailed(error))
 
     def _begin(self) -> None:
         self.started_at = time.perf_counter()

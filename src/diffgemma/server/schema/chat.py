@@ -99,7 +99,7 @@ def _check_schema(schema: Any, where: str) -> None:
 
 def _content(content: Any) -> str | list[dict[str, str]] | dict[str, Any] | None:
     """A message's content: text, text parts (as `{"type": "text", "text"}`), or a tool result's object (which
-    only a tool message may send: `Message` checks the role)."""
+    only a tool message may send: `ChatMessage` checks the role)."""
     if content is None or isinstance(content, str | dict):
         return content
     if not isinstance(content, list):
@@ -137,7 +137,7 @@ class CallFunction(_Shape):
     ] = Field("{}", description="a JSON object, or a string that encodes one")
 
 
-class ToolCall(_Shape):
+class ToolCallIn(_Shape):
     """A call of an earlier assistant turn, sent back (its `type` is not read)."""
 
     id: str | None = None
@@ -152,10 +152,10 @@ Content = Annotated[
     str | list[dict[str, str]] | dict[str, Any] | None,
     PlainValidator(_content, json_schema_input_type=str | list[TextPart] | dict[str, Any] | None),
 ]
-ToolCalls = Annotated[list[Annotated[ToolCall, _report_here("a function call")]], _report_here("a list")]
+ToolCalls = Annotated[list[Annotated[ToolCallIn, _report_here("a function call")]], _report_here("a list")]
 
 
-class Message(_Shape):
+class ChatMessage(_Shape):
     """One chat message (text only). What its role does not read is ignored, such as a user message's
     `tool_calls`; content may be left out only by an assistant, and be an object only in a tool result."""
 
@@ -185,7 +185,7 @@ class Message(_Shape):
         return {k: v for k, v in data.items() if k not in unread}
 
     @model_validator(mode="after")
-    def _role_rules(self) -> Message:
+    def _role_rules(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise _fail(f"a {self.role} message needs content", "content")
         if isinstance(self.content, dict) and self.role != "tool":
@@ -246,7 +246,7 @@ TOOL_CHOICES = "'auto', 'none', 'required' or {'type': 'function', 'function': {
 class ChatCompletionBody(SamplerFields, _GenBody):
     """The body of POST /v1/chat/completions."""
 
-    messages: Annotated[list[Annotated[Message, _report_here("a message")]], Field(min_length=1)]
+    messages: Annotated[list[Annotated[ChatMessage, _report_here("a message")]], Field(min_length=1)]
     tools: list[Annotated[Tool, _report_here("a function tool")]] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="needs 'logprobs': true")
@@ -259,7 +259,7 @@ class ChatCompletionBody(SamplerFields, _GenBody):
 
     @field_validator("messages")
     @classmethod
-    def _results_answer_calls(cls, messages: list[Message]) -> list[Message]:
+    def _results_answer_calls(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
         """A tool message answers a call of the assistant message it follows (after that message's other
         results), as the OpenAI API requires; the template renders it inside that assistant's turn."""
         for i, message in enumerate(messages):
