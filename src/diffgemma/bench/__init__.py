@@ -28,7 +28,7 @@ from diffgemma.bench.prepare import (
     random_model_bytes,
     setup,
 )
-from diffgemma.bench.report import log, save, table
+from diffgemma.bench.report import log, provenance, save, source_commit, table, write_json
 from diffgemma.bench.scoring import demo_schema, schema_timing
 from diffgemma.bench.shapes import CONTEXTS, GIB, REAL_CONFIG, TINY_CONTEXTS, tiny_config
 from diffgemma.bench.speed import generate_rate, measure
@@ -60,6 +60,7 @@ __all__ = [
     "log",
     "measure",
     "ours_need",
+    "provenance",
     "quant_error",
     "quantize_weights",
     "random_model",
@@ -68,11 +69,13 @@ __all__ = [
     "save",
     "schema_timing",
     "setup",
+    "source_commit",
     "table",
     "timed",
     "tiny_config",
     "topk_error",
     "weight_bytes",
+    "write_json",
 ]
 
 
@@ -105,7 +108,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     if torch.distributed.is_initialized() and torch.distributed.get_rank() > 0:
         leave()
         return results
-    save(results, opts.out)
+    save(results, opts.out, runner.device)
     print(table(results, opts.context_list()))
     leave()
     return results
