@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from moe_kernels import time_graph  # noqa: E402
 
+from diffgemma.bench.report import write_json  # noqa: E402
 from diffgemma.kernels import (
     dispatch,  # noqa: E402
     library,  # noqa: E402
@@ -99,7 +99,7 @@ def main() -> None:
     results = {f"past={n}": bench_shape(n, configs) for n in (0, WINDOW - 1)}
     if args.out:
         doc = {"device": torch.cuda.get_device_name(), "t": T, "window": WINDOW, "shapes": results}
-        Path(args.out).write_text(json.dumps(doc, indent=1))
+        write_json(args.out, doc, indent=1)
 
 
 if __name__ == "__main__":

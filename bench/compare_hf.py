@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     ctxs = opts.context_list()
     if not args.no_speed:
         results["diffgemma"] = measure(OursRunner(runner), ctxs, opts, runner.device, ours_need(runner), log)
-        save(results, opts.out)
+        save(results, opts.out, runner.device)
     hf, info = hf_model_sharing(runner.model, cfg_dict)
     text_cfg = hf.config.get_text_config()
     results["transformers_setup"] = {
@@ -387,12 +387,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_check:
         results["check_hf"] = check(runner, hf, args.check_context)
         log(f"check: {json.dumps(results['check_hf']['end_to_end'])}")
-        save(results, opts.out)
+        save(results, opts.out, runner.device)
     if not args.no_speed:
         need = hf_need(runner.cfg, runner.dtype)
         results["transformers"] = measure(HFRunner(hf, runner.model), ctxs, opts, runner.device, need, log)
         print(table(results, ctxs))
-    save(results, opts.out)
+    save(results, opts.out, runner.device)
     return 0
 
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import statistics
 import time
 
 import torch
 
-from diffgemma.bench import REAL_CONFIG, fixed_steps_sampler, random_model, timed
+from diffgemma.bench import REAL_CONFIG, fixed_steps_sampler, random_model, timed, write_json
 from diffgemma.engine.generate import generate
 from diffgemma.runner import graphs
 from diffgemma.runner.runner import ModelRunner
@@ -120,8 +119,7 @@ def main() -> None:
             "median_denoise_s": denoise,
             "left_over_ms_per_block": left * 1e3,
         }
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_json(args.out, doc, indent=1)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ the median of 20 replays, per call. Results go to $OUT/layer_kernels.json when O
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from moe_kernels import time_graph  # noqa: E402
 
+from diffgemma.bench.report import write_json  # noqa: E402
 from diffgemma.kernels import regions as compiled  # noqa: E402
 from diffgemma.kernels import torch_ref as ref  # noqa: E402
 from diffgemma.kernels import triton_combine as tc  # noqa: E402
@@ -118,7 +118,7 @@ def main() -> None:
     out = os.environ.get("OUT")
     if out:
         doc = {"device": torch.cuda.get_device_name(), "results": results}
-        Path(out, "layer_kernels.json").write_text(json.dumps(doc, indent=1))
+        write_json(Path(out, "layer_kernels.json"), doc, indent=1)
 
 
 if __name__ == "__main__":

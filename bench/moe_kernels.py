@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -27,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from diffgemma.bench.report import write_json  # noqa: E402
 from diffgemma.kernels import library  # noqa: E402
 from diffgemma.kernels import torch_ref as ref  # noqa: E402
 from diffgemma.kernels import triton_moe as tm  # noqa: E402
@@ -303,7 +303,7 @@ def main() -> None:
         result["quant"] = bench_quant(args.quant.split(","), gate_up, down, g)
     if os.environ.get("OUT"):
         path = Path(os.environ["OUT"]) / "moe_kernels.json"
-        path.write_text(json.dumps(result, indent=1))
+        write_json(path, result, indent=1)
         print(f"\nwrote {path}")
 
 

@@ -11,7 +11,6 @@ median of 20 replays, per call. Prints a line per candidate; `--out FILE` writes
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from moe_kernels import time_graph  # noqa: E402
 
+from diffgemma.bench.report import write_json  # noqa: E402
 from diffgemma.engine import sampler as S  # noqa: E402
 from diffgemma.kernels import dispatch  # noqa: E402
 from diffgemma.kernels import triton_sampler as ts  # noqa: E402
@@ -71,7 +71,7 @@ def main() -> None:
     res["max_abs_diff_sc"] = diff = float((want - got).abs().max())
     print(f"max |diff| of the SC probabilities {diff:.3g}", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), **res}, indent=1))
+        write_json(args.out, {"device": torch.cuda.get_device_name(), **res}, indent=1)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,29 @@ def test_bench_tiny_writes_its_results(tmp_path):
         ours["denoise_step_ms"]["64"] > 0 and ours["prefill_tok_s"]["64"] > 0 and ours["generate_block_s"] > 0
     )
     assert data["threads"] == 1 and ours["fast_kernels"] is False  # the reference kernels on the CPU
+    said = data["provenance"]  # what it measured: the code, the software, the device
+    assert list(data)[0] == "provenance" and said["device_type"] == "cpu"
+    assert set(said) >= {"commit", "dirty", "diffgemma", "torch", "triton", "cuda", "device"}
+
+
+def test_provenance_names_the_commit_and_the_software(tmp_path, monkeypatch):
+    import torch
+
+    from diffgemma.bench import report
+
+    said = report.provenance(torch.device("cpu"))
+    assert said["torch"] == torch.__version__ and said["cuda"] == torch.version.cuda
+    head = subprocess.run(
+        ["git", "-C", str(report.PACKAGE), "rev-parse", "HEAD"], capture_output=True, text=True
+    )
+    if head.returncode == 0:  # a checkout: its commit, and whether tracked files differ from it
+        assert said["commit"] == head.stdout.strip() and isinstance(said["dirty"], bool)
+    # an installed copy (no checkout holds it as its src/diffgemma): no commit, rather than a wrong one
+    monkeypatch.setattr(report, "PACKAGE", tmp_path / "site-packages" / "diffgemma")
+    assert report.source_commit() == (None, None)
+    path = report.write_json(tmp_path / "a" / "r.json", {"x": 1}, torch.device("cpu"), indent=1)
+    doc = json.loads(path.read_text())
+    assert doc["x"] == 1 and doc["provenance"]["commit"] is None and doc["provenance"]["device"]
 
 
 def test_bench_concurrency_runs_n_requests_together(tmp_path):
@@ -211,12 +234,13 @@ def test_bare_bench_on_cpu_measures_the_demo_model_and_says_so(tmp_path):
     assert data["diffgemma"]["denoise_step_ms"]["64"] > 0 and data["threads"] == 1
     # PASSIVE, set by importing diffgemma (a user's own value kept)
     assert data["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+    assert data["provenance"]["device_type"] == "cpu"
 
 
 def test_the_real_shape_on_cpu_is_refused_before_allocating_when_it_cannot_fit(monkeypatch):
     import torch
 
-    import diffgemma.bench as B
+    import diffgemma.bench.prepare as B
 
     weights, cache = B.random_model_bytes(B.REAL_CONFIG, torch.bfloat16, 1024)
     assert 47 < weights / B.GIB < 50  # 25.8B parameters in two bytes each
@@ -237,7 +261,7 @@ def test_the_real_shape_on_cpu_is_refused_before_allocating_when_it_cannot_fit(m
 def test_the_real_shape_refusal_is_one_line_through_the_cli():
     import torch
 
-    import diffgemma.bench as B
+    import diffgemma.bench.prepare as B
 
     weights, cache = B.random_model_bytes(B.REAL_CONFIG, torch.float32, 1024)
     available = B.cpu_available_bytes()

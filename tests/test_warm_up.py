@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import diffgemma
-from diffgemma import cli
+from diffgemma.cli import talk as cli
 from diffgemma.config import RuntimeConfig
 from diffgemma.session.client import Session
 

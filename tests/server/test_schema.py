@@ -66,7 +66,7 @@ def test_openapi_describes_both_request_bodies(server) -> None:
     assert "messages" in chat["required"] and "prompt" in completion["required"]
     assert not {"stop_token_ids", "pad_token_id", "max_new_tokens"} & set(chat["properties"])
     refs = list(_refs(spec))
-    assert "#/components/schemas/Message" in refs
+    assert "#/components/schemas/ChatMessage" in refs
     assert all(ref.removeprefix("#/components/schemas/") in schemas for ref in refs)  # every $ref resolves
 
 

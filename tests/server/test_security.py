@@ -27,7 +27,7 @@ import pytest
 
 from diffgemma.config import ConfigError, env_overrides
 from diffgemma.server import create_app
-from diffgemma.server.app import host_name, served_names
+from diffgemma.server.guard import host_name, served_names
 from diffgemma.server.run import resolve_api_key
 from diffgemma.session import journal
 from tests.live_server import free_port, stop, wait_up

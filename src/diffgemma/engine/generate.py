@@ -179,7 +179,7 @@ class Canvas:
 
 
 def denoise_block(
-    model: ModelRunner,
+    runner: ModelRunner,
     kv: KVCache,
     cfg: SamplerConfig,
     seed: int,
@@ -191,16 +191,16 @@ def denoise_block(
 ) -> BlockResult | None:
     """Run the entropy-bound loop on one canvas; None if cancelled. Reads `kv`, never writes it. With `logprobs`
     (k >= 0), each row's committed token's log probability and its top k alternatives (`TokenLogprob`)."""
-    m = model.cfg
+    m = runner.cfg
     canvas = Canvas(
-        m.vocab_size, cfg, seed, canvas_len, model.device, block_index, logprobs, m.final_logit_softcapping,
-        model.dtype, model.fast,
+        m.vocab_size, cfg, seed, canvas_len, runner.device, block_index, logprobs, m.final_logit_softcapping,
+        runner.dtype, runner.fast,
     )  # fmt: skip
-    return run_canvas(model, canvas, kv, on_step, cancel)
+    return run_canvas(runner, canvas, kv, on_step, cancel)
 
 
 def run_canvas(
-    model: ModelRunner,
+    runner: ModelRunner,
     canvas: Canvas,
     kv: KVCache,
     on_step: Callable[[StepInfo], None] | None = None,
@@ -210,13 +210,13 @@ def run_canvas(
     while not canvas.done:
         if cancel is not None and cancel.cancelled:
             return None
-        info = step_canvas(model, canvas, kv)
+        info = step_canvas(runner, canvas, kv)
         if on_step is not None:
             on_step(info)
     return canvas.result
 
 
-def step_canvas(model: ModelRunner, canvas: Canvas, kv: KVCache) -> StepInfo:
+def step_canvas(runner: ModelRunner, canvas: Canvas, kv: KVCache) -> StepInfo:
     """One denoise step of a lone canvas after `kv`: the runner's forward (its fast path and graphs), then
     `Canvas.step`."""
     # The logits are the graph's own buffer before the final softcap (raw=True), which the sampler's row pass
@@ -224,15 +224,15 @@ def step_canvas(model: ModelRunner, canvas: Canvas, kv: KVCache) -> StepInfo:
     # the graph's input buffer once there is one.
     probs, seed_sc, exact = canvas.sc_input()
     if probs is not None:
-        logits = model.denoise(canvas.ids[None], kv, sc_probs=probs, sc_exact=exact, raw=True)
+        logits = runner.denoise(canvas.ids[None], kv, sc_probs=probs, sc_exact=exact, raw=True)
     else:
-        logits = model.denoise(canvas.ids[None], kv, sc_seed=seed_sc, raw=True)
+        logits = runner.denoise(canvas.ids[None], kv, sc_seed=seed_sc, raw=True)
     # The dense SC input is the exact path: fp32 probabilities, not the graph's 16-bit buffer (seed §5).
     sc_out = None
     if canvas.cfg.sc_sparse:
         # only captured graphs have an SC input buffer (`graphs_on`, an attribute: without graphs a step enters the
         # runner for its forward alone)
-        sc_out = model.sc_input_buffer(kv, canvas.length) if model.graphs_on else None
+        sc_out = runner.sc_input_buffer(kv, canvas.length) if runner.graphs_on else None
         if sc_out is None:
             # No graph yet: a buffer in the dtype a graph's would have. Written in fp32 and cast by torch, the
             # SC input was one ulp off the sampler's own rounding in a few elements, so a first request that
@@ -266,7 +266,7 @@ def confidence_cut(tokens: list[int], p_max: list[float], tau: float, stop_ids: 
 
 
 def prefill(
-    model: ModelRunner,
+    runner: ModelRunner,
     ids: list[int],
     kv: KVCache,
     cfg: SamplerConfig,
@@ -277,7 +277,7 @@ def prefill(
     if not ids:
         return
     t = torch.tensor([ids], dtype=torch.long)
-    model.prefill(t, kv, compute_dtype=prefill_dtype(model_dtype or model.dtype, len(ids), kv.length, cfg))
+    runner.prefill(t, kv, compute_dtype=prefill_dtype(model_dtype or runner.dtype, len(ids), kv.length, cfg))
 
 
 def prefill_dtype(dtype: torch.dtype, n: int, cached: int, cfg: SamplerConfig) -> torch.dtype | None:
@@ -317,7 +317,7 @@ class Turn:
 
     def __init__(
         self,
-        model: ModelRunner,
+        runner: ModelRunner,
         prompt_ids: list[int],
         kv: KVCache,
         cfg: SamplerConfig,
@@ -330,12 +330,17 @@ class Turn:
         if max_new <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new}")
         self.model, self.kv, self.cfg, self.seed, self.max_new, self.logprobs = (
-            model, kv, cfg, seed, max_new, logprobs
+            runner, kv, cfg, seed, max_new, logprobs
         )  # fmt: skip
         self.prompt_ids = list(prompt_ids)  # the uncached prompt the turn prefills first
         self.stop_ids = set(cfg.stop_token_ids)
         # the runner's model config, device and dtype, read once: a block enters the runner for its forwards alone
-        self.model_cfg, self.device, self.dtype, self.fast = model.cfg, model.device, model.dtype, model.fast
+        self.model_cfg, self.device, self.dtype, self.fast = (
+            runner.cfg,
+            runner.device,
+            runner.dtype,
+            runner.fast,
+        )
         self.blank_ids = {cfg.pad_token_id, S.filler_id(self.model_cfg.vocab_size)}  # `pad_block_stop`
         canvas_len = self.model_cfg.canvas_length
         self.max_blocks = -(-max_new // canvas_len) * (2 if cfg.commit_conf_trim > 0 else 1)  # trim headroom
@@ -510,7 +515,7 @@ def drive(
 
 
 def generate(
-    model: ModelRunner,
+    runner: ModelRunner,
     prompt_ids: list[int],
     kv: KVCache,
     cfg: SamplerConfig,
@@ -524,7 +529,7 @@ def generate(
     """Prefill `prompt_ids` (the tokens not yet in `kv`) and generate a reply: a `Turn` `drive`n by
     `default_commit`. With `logprobs` (k >= 0), `out.logprobs` holds each generated token's `TokenLogprob` with k
     alternatives. On return `kv` holds the prompt and every committed block except the last one."""
-    turn = Turn(model, prompt_ids, kv, cfg, seed, max_new_tokens, logprobs)
+    turn = Turn(runner, prompt_ids, kv, cfg, seed, max_new_tokens, logprobs)
     on_commit = None if on_block is None else lambda _turn, kept: on_block(kept)
     return drive(turn, on_step, cancel, on_commit)
 

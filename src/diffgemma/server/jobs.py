@@ -1,7 +1,7 @@
 """What runs on the engine worker for one request: generate, parse, validate, stream, finalize the turn.
 
 The job turns committed blocks into `Delta` events for the request's `Channel` and ends with `Done` or
-`Failed`. Chat replies are parsed by the chat StreamParser (thought channel -> reasoning, tool-call grammar
+`JobFailed`. Chat replies are parsed by the chat StreamParser (thought channel -> reasoning, tool-call grammar
 -> tool calls); stop strings cut the content and cancel the generation between denoise steps.
 """
 
@@ -31,6 +31,7 @@ from diffgemma.config import SamplerConfig
 from diffgemma.engine.engine import ContextOverflow
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo, TokenLogprob
 from diffgemma.server.errors import APIError, invalid
+from diffgemma.server.events import CanvasFrames, Delta, Done, JobFailed
 from diffgemma.server.metrics import Metrics
 from diffgemma.server.schema import COMPLETION_MAX_TOKENS, ChatRequest, CompletionRequest
 from diffgemma.server.toolturns import ToolRound, ToolRounds
@@ -42,80 +43,6 @@ from diffgemma.session.pipeline import sampler_fields
 log = logging.getLogger("diffgemma.server")
 
 VALIDATION_ATTEMPTS = 3  # json_object / required tool call / a tool call that parses: tries, each a new seed
-
-
-@dataclass
-class Delta:
-    kind: str  # "reasoning", "content" or "tool_call"
-    text: str = ""
-    call: dict[str, Any] | None = None
-
-
-@dataclass
-class Canvas:
-    """One denoise step's canvas, streamed as a `canvas` event (`stream_options.canvas`): each row's most likely
-    token's text, whether the step accepted it (else it was renoised), and its entropy in nats."""
-
-    block: int
-    step: int
-    temperature: float
-    tokens: list[str]
-    accepted: list[bool]
-    entropy: list[float]
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "object": "diffgemma.canvas",
-            "block": self.block,
-            "step": self.step,
-            "temperature": round(self.temperature, 4),
-            "tokens": self.tokens,
-            "accepted": self.accepted,
-            "entropy": [round(h, 3) for h in self.entropy],
-        }
-
-
-class CanvasFrames:
-    """A Generate's `on_step`: each step's `Canvas` to `emit`, at most one every `interval_ms` (the step's tensors
-    are read to the host only for the steps sent)."""
-
-    def __init__(self, tok: ChatTokenizer, interval_ms: int, emit: Callable[[Any], None]) -> None:
-        self.tok, self.interval, self.emit = tok, interval_ms / 1000, emit
-        self.last = -float("inf")
-
-    def __call__(self, info: StepInfo) -> None:
-        now = time.perf_counter()
-        if now - self.last < self.interval:
-            return
-        self.last = now
-        ids = info.argmax.tolist()
-        pieces = [self.tok.token_bytes(i).decode("utf-8", "replace") for i in ids]
-        entropy = info.entropy.tolist()
-        self.emit(Canvas(info.block, info.step, info.temperature, pieces, info.accepted.tolist(), entropy))
-
-
-@dataclass
-class Done:
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    steps: int = 0
-    attempts: int = 1
-    logprobs: list[TokenLogprob] | None = None  # each generated token's, when the request asked
-
-    def usage(self) -> dict[str, Any]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
-
-
-@dataclass
-class Failed:
-    error: APIError
 
 
 class LinkedCancel(CancelToken):
@@ -227,7 +154,7 @@ class _Base:
         self._first = True
 
     def fail(self, error: APIError) -> None:
-        self.channel.put(Failed(error))
+        self.channel.put(JobFailed(error))
 
     def _begin(self) -> None:
         self.started_at = time.perf_counter()

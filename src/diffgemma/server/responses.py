@@ -15,7 +15,7 @@ from typing import Any
 
 from diffgemma.chat.tokenizer import ChatTokenizer
 from diffgemma.engine.generate import TokenLogprob
-from diffgemma.server.jobs import Delta, Done
+from diffgemma.server.events import Delta, Done
 
 
 def new_id(prefix: str) -> str:

@@ -166,7 +166,7 @@ class Step:
 
 
 @dataclass
-class Session:
+class LoggedSession:
     line: int
     header: dict[str, Any]
     steps: list[Step] = field(default_factory=list)
@@ -194,10 +194,10 @@ def _records(line: str) -> tuple[bool, list[Any]]:
         return True, [tail]
 
 
-def read_log(path: str | Path) -> list[Session]:
+def read_log(path: str | Path) -> list[LoggedSession]:
     """The sessions of a log file; ValueError naming the line for anything that is not one. A line that is not JSON
     is a session's partial last line (a crash) when a session's header or the end of the file follows it."""
-    sessions: list[Session] = []
+    sessions: list[LoggedSession] = []
     by_seq: dict[int, Step] = {}
     pending: tuple[int, str] | None = None  # a line that is not JSON, until what follows says it was cut off
 
@@ -210,7 +210,7 @@ def read_log(path: str | Path) -> list[Session]:
         if kind is None:
             raise ValueError(f"{path}:{n}: expected one of header, op, event")
         if kind == "header":
-            sessions.append(Session(n, record["header"], last=n))
+            sessions.append(LoggedSession(n, record["header"], last=n))
             by_seq = {}
             return
         if not sessions:
@@ -313,7 +313,7 @@ def _label(hdr: dict[str, Any]) -> str:
     return f" ({hdr['label']})" if hdr.get("label") else ""
 
 
-def check_identity(session: Session, engine: EngineCore, path: str | Path) -> None:
+def check_identity(session: LoggedSession, engine: EngineCore, path: str | Path) -> None:
     """ValueError (one line) when the log was recorded on other weights than `engine`'s."""
     want, have = session.header.get("model_id"), model_identity(engine.path)
     if want != have:
@@ -338,7 +338,7 @@ def replay(
 
 
 def _replay(
-    sessions: list[Session], engine: EngineCore, on_op: Callable[[Step], None] | None
+    sessions: list[LoggedSession], engine: EngineCore, on_op: Callable[[Step], None] | None
 ) -> tuple[bool, str]:
     ops = events = unchecked = 0
     here = platform_of(engine)
@@ -407,7 +407,7 @@ def _replay(
     return True, "".join([line, *(f"; {c}" for c in cuts)])
 
 
-def _cut(k: int, session: Session, unfinished: list[Step]) -> str:
+def _cut(k: int, session: LoggedSession, unfinished: list[Step]) -> str:
     """What a crash left of session k: where it ends, its partial line, its ops checked only as far as logged."""
     what = [f"a partial line {session.partial}"] if session.partial is not None else []
     what += [
