@@ -31,6 +31,7 @@ LAYER = {
     "chat": 0,
     "quant": 0,  # the formats only
     "config": 0,
+    "config_fields": 0,
     "version": 0,
     "testing": 0,
 }

@@ -10,8 +10,19 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-SLIDING = "sliding_attention"
-FULL = "full_attention"
+from diffgemma.config_fields import (
+    FULL,
+    MIN_BYTES_PER_WEIGHT,
+    SLIDING,
+    ConfigError,
+    Fields,
+    RopeConfig,
+    gib,
+    head_field,
+    is_int,
+    layer_weights,
+    machine_memory,
+)
 
 # The config format's documented default when `canvas_length` is absent (transformers' DiffusionGemmaConfig).
 FORMAT_DEFAULT_CANVAS_LENGTH = 256
@@ -20,10 +31,6 @@ FORMAT_DEFAULT_CANVAS_LENGTH = 256
 LOAD_CONTEXT = 8192
 CHAT_CONTEXT = 32768
 SERVE_CONTEXT = 131072
-
-
-class ConfigError(ValueError):
-    """A checkpoint's config or an override is invalid."""
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -37,175 +44,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a JSON object")
     return data
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    rope_type: str  # "default" or "proportional"
-    theta: float
-    partial_rotary_factor: float = 1.0
-
-
-# The narrowest storage of any weight format (int4 / nvfp4: a nibble a weight, before its scales). A config whose
-# weights exceed the machine's memory even at this cannot load anywhere on it, whatever the checkpoint holds.
-MIN_BYTES_PER_WEIGHT = 0.5
-
-
-def machine_memory() -> int | None:
-    """This machine's physical RAM in bytes (None: unknown): the coarse bound a config's size is held to."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**27 else f"{nbytes / 2**20:,.1f} MiB"
-
-
-def check_int(name: str, value: Any, minimum: int | None = None, optional: bool = False) -> None:
-    """TypeError unless `value` is an int (None too when `optional`), ValueError when it is below `minimum`."""
-    if value is None and optional:
-        return
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int{' or None' if optional else ''}, got {type(value).__name__}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _layer_weights(
-    h: int, inter: int, heads: int, hd: int, kv: int, sliding: bool, experts: int, moe_i: int
-) -> int:
-    """Weights of one layer (model.Layer's parameters): attention, seven norms, dense MLP, router and experts."""
-    attn = 2 * heads * hd * h + (2 if sliding else 1) * kv * hd * h + 2 * hd
-    return attn + 7 * h + 3 * inter * h + experts * (h + 1) + h + 3 * experts * moe_i * h + 2
-
-
-def _head_field(per_layer: dict[str, Any] | None, layer_type: str, i: int):
-    """The config field that sets layer i's `head_dim` / `num_key_value_heads`, for error messages."""
-
-    def name(key: str) -> str:
-        if per_layer is not None:
-            for k in (str(i), layer_type):
-                if key in per_layer.get(k, {}):
-                    return f"per_layer_config.{k}.{key}"
-            return key
-        if layer_type == FULL:
-            return {"head_dim": "global_head_dim", "num_key_value_heads": "num_global_key_value_heads"}[key]
-        return key
-
-    return name
-
-
-class _Fields:
-    """Typed reads of a text_config, each refusing a missing, mistyped or out-of-range value in one line."""
-
-    def __init__(self, tc: dict[str, Any], prefix: str):
-        self.tc, self.prefix = tc, prefix
-
-    def error(self, key: str, problem: str) -> ConfigError:
-        return ConfigError(f"config.json: {self.prefix}{key} {problem}")
-
-    def integer(
-        self, key: str, default: int | None = None, minimum: int = 1, falsy_default: bool = False
-    ) -> int:
-        value = self.tc.get(key)
-        if value is None or (falsy_default and value == 0):
-            if default is None:
-                raise self.error(key, "is required")
-            return default
-        if not _is_int(value):
-            raise self.error(key, f"must be an integer, got {value!r}")
-        if value < minimum:
-            raise self.error(key, f"must be at least {minimum}, got {value}")
-        return value
-
-    def number(self, key: str, default: float, falsy_default: bool = False) -> float:
-        value = self.tc.get(key)
-        if value is None or (falsy_default and value == 0):
-            return default
-        if not _is_number(value):
-            raise self.error(key, f"must be a finite number, got {value!r}")
-        if value <= 0:
-            raise self.error(key, f"must be positive, got {value}")
-        return float(value)
-
-    def token_id(self, key: str, default: int, vocab: int) -> int:
-        value = self.tc.get(key)
-        if value is None:
-            return default
-        if not _is_int(value) or not 0 <= value < vocab:
-            raise self.error(key, f"must be a token id in [0, {vocab}) (vocab_size), got {value!r}")
-        return value
-
-    def per_layer_config(self, n_layers: int) -> dict[str, dict[str, int]] | None:
-        """transformers' per_layer_config: {layer type or index: {head_dim, num_key_value_heads}}, checked."""
-        per_layer = self.tc.get("per_layer_config")
-        if per_layer is None:
-            return None
-        if not isinstance(per_layer, dict):
-            raise self.error("per_layer_config", "must be an object")
-        for key, overrides in per_layer.items():
-            if key not in (SLIDING, FULL) and not (key.isdigit() and int(key) < n_layers):
-                raise self.error(
-                    f"per_layer_config.{key}",
-                    f"is neither a layer type nor a layer index below num_hidden_layers ({n_layers})",
-                )
-            if not isinstance(overrides, dict):
-                raise self.error(f"per_layer_config.{key}", "must be an object")
-            for name in ("head_dim", "num_key_value_heads"):
-                value = overrides.get(name)
-                if value is not None and (not _is_int(value) or value < 1):
-                    raise self.error(
-                        f"per_layer_config.{key}.{name}", f"must be a positive integer, got {value!r}"
-                    )
-        return per_layer
-
-    def rope(self, used: set[str], head_dims: list[int], layer_types: list[str]) -> dict[str, RopeConfig]:
-        """RoPE by layer type from rope_parameters (transformers' defaults when absent), each entry checked."""
-        params = self.tc.get("rope_parameters")
-        if params is None:
-            params = {
-                SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
-                FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
-            }
-        elif not isinstance(params, dict):
-            raise self.error("rope_parameters", "must be an object keyed by layer type")
-        rope = {}
-        for lt in sorted(used):
-            where = f"rope_parameters.{lt}"
-            p = params.get(lt)
-            if p is None:
-                raise self.error(where, "is missing")
-            if not isinstance(p, dict):
-                raise self.error(where, "must be an object")
-            rtype = p.get("rope_type", "default")
-            if rtype not in ("default", "proportional"):
-                raise self.error(
-                    f"{where}.rope_type", f"{rtype!r} is not supported ('default', 'proportional')"
-                )
-            theta = p.get("rope_theta")
-            if theta is None:
-                raise self.error(f"{where}.rope_theta", "is required")
-            if not _is_number(theta) or theta <= 1:
-                raise self.error(f"{where}.rope_theta", f"must be a finite number above 1, got {theta!r}")
-            factor = p.get("partial_rotary_factor", 1.0)
-            if not _is_number(factor) or not 0 < factor <= 1:
-                raise self.error(f"{where}.partial_rotary_factor", f"must be in (0, 1], got {factor!r}")
-            if rtype == "default" and factor != 1:  # its frequencies would not cover the head (rope_cos_sin)
-                raise self.error(
-                    f"{where}.partial_rotary_factor", f"must be 1 with rope_type 'default', got {factor}"
-                )
-            rope[lt] = RopeConfig(rtype, float(theta), float(factor))
-        return rope
 
 
 @dataclass(frozen=True)
@@ -257,7 +95,7 @@ class ModelConfig:
         tc = data.get("text_config", data)
         if not isinstance(tc, dict):
             raise ConfigError("config.json: text_config must be an object")
-        f = _Fields(tc, "text_config." if tc is not data else "")
+        f = Fields(tc, "text_config." if tc is not data else "")
 
         vocab, hidden, inter = (
             f.integer("vocab_size"),
@@ -318,17 +156,17 @@ class ModelConfig:
         # Bound the model before its per-layer tables (or, later, its modules) are built: a config of 10^9 layers
         # would otherwise spend minutes and gigabytes on them before failing for memory.
         count = (2 - tied) * vocab * hidden + 3 * inter * hidden + 2 * hidden
-        count += (n_layers - n_full) * _layer_weights(
+        count += (n_layers - n_full) * layer_weights(
             hidden, inter, n_heads, s_head_dim, s_kv, True, n_exp, moe_i
         )
-        count += n_full * _layer_weights(hidden, inter, n_heads, g_head_dim, g_kv, False, n_exp, moe_i)
+        count += n_full * layer_weights(hidden, inter, n_heads, g_head_dim, g_kv, False, n_exp, moe_i)
         ram = machine_memory()
         if ram is not None and count * MIN_BYTES_PER_WEIGHT > ram:
             raise ConfigError(
                 f"config.json: the sizes imply {count:.3g} weights (num_hidden_layers={n_layers}, "
                 f"hidden_size={hidden}, num_experts={n_exp}, moe_intermediate_size={moe_i}, vocab_size={vocab}): "
-                f"{_gib(count * MIN_BYTES_PER_WEIGHT)} even at 4 bits a weight, more than this machine's "
-                f"{_gib(ram)} of RAM"
+                f"{gib(count * MIN_BYTES_PER_WEIGHT)} even at 4 bits a weight, more than this machine's "
+                f"{gib(ram)} of RAM"
             )
 
         if layer_types is None:
@@ -340,7 +178,7 @@ class ModelConfig:
                 head_dims[int(key)] = overrides.get("head_dim", head_dims[int(key)])
                 kv[int(key)] = overrides.get("num_key_value_heads", kv[int(key)])
         for i in range(n_layers):
-            field = _head_field(per_layer, layer_types[i], i)
+            field = head_field(per_layer, layer_types[i], i)
             if n_heads % kv[i]:
                 raise f.error(
                     "num_attention_heads",
@@ -358,15 +196,15 @@ class ModelConfig:
         bos = f.token_id("bos_token_id", 2, vocab)
         eos = tc.get("eos_token_id", data.get("eos_token_id", 1))
         eos_list = eos if isinstance(eos, list) else [eos]
-        if not eos_list or not all(_is_int(e) and 0 <= e < vocab for e in eos_list):
+        if not eos_list or not all(is_int(e) and 0 <= e < vocab for e in eos_list):
             raise f.error(
                 "eos_token_id", f"must be a token id or a list of them in [0, {vocab}), got {eos!r}"
             )
         canvas = data.get("canvas_length", tc.get("canvas_length", FORMAT_DEFAULT_CANVAS_LENGTH))
-        if not _is_int(canvas) or canvas <= 0:
+        if not is_int(canvas) or canvas <= 0:
             raise ConfigError(f"config.json: canvas_length must be a positive integer, got {canvas!r}")
         max_pos = tc.get("max_position_embeddings")
-        if max_pos is not None and (not _is_int(max_pos) or max_pos <= 0):
+        if max_pos is not None and (not is_int(max_pos) or max_pos <= 0):
             raise ConfigError(
                 f"config.json: max_position_embeddings must be a positive integer, got {max_pos!r}"
             )

@@ -16,10 +16,10 @@ from diffgemma.config import (
     ModelConfig,
     RuntimeConfig,
     SamplerConfig,
-    check_int,
     load_runtime_config,
     load_sampler_config,
 )
+from diffgemma.config_fields import check_int
 from diffgemma.engine.generate import GenerateOutput, Turn
 from diffgemma.engine.warm_up import warm_up
 from diffgemma.model.kv_cache import KVCache

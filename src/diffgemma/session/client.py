@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diffgemma.chat.tokenizer import ChatTokenizer
-from diffgemma.config import LOAD_CONTEXT, SamplerConfig, check_int
+from diffgemma.config import LOAD_CONTEXT, SamplerConfig
+from diffgemma.config_fields import check_int
 from diffgemma.engine.engine import EngineCore, Prompt
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo
 from diffgemma.session import ops as O
