@@ -140,15 +140,23 @@ def test_chat_reports_a_failed_warm_up_and_replies_anyway(tiny_a, monkeypatch, c
 
 
 def test_serve_warms_up_before_it_listens(tiny_a, monkeypatch):
-    import uvicorn
-
     from diffgemma.server import run
 
     eng = _fused(tiny_a)
     events: list[str] = []
+
+    class Listening:  # the uvicorn server serve builds (`graceful_server`), listening only in the events
+        started = True
+
+        def __init__(self, app, grace, host, port, **options):
+            self.where = f"listen {host}:{port}"
+
+        def run(self) -> None:
+            events.append(self.where)
+
     monkeypatch.setattr(eng, "warm_up", lambda: events.append("warm-up") or 1.0)
     monkeypatch.setattr(run.EngineCore, "load", lambda *a, **k: eng)
-    monkeypatch.setattr(uvicorn, "run", lambda app, **k: events.append(f"listen {k['host']}:{k['port']}"))
+    monkeypatch.setattr(run, "graceful_server", Listening)
     run.serve(tiny_a, port=8123, ctx=2048)
     assert events == ["warm-up", "listen 127.0.0.1:8123"]
 
