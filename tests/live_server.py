@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 try:  # the openai 3.x client ships httpx as `httpx2`
     import httpx2 as httpx
@@ -18,12 +19,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_up(proc: subprocess.Popen, base: str, seconds: float = 120) -> None:
-    """Return once `base`/health answers 200; raise with serve's stderr if it exits, or after `seconds`."""
+def wait_up(proc: subprocess.Popen, base: str, seconds: float = 120, log: Path | None = None) -> None:
+    """Return once `base`/health answers 200; raise with serve's stderr (or the `log` file it writes to) if it
+    exits, or after `seconds`."""
     deadline = time.time() + seconds
     while True:
         if proc.poll() is not None:
-            raise RuntimeError("serve exited: " + proc.stderr.read()[-3000:])
+            raise RuntimeError("serve exited: " + (log.read_text() if log else proc.stderr.read())[-3000:])
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
                 return

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,7 +17,7 @@ from diffgemma.engine.engine import ContextOverflow
 from diffgemma.server import create_app
 from diffgemma.session import ops as O
 from diffgemma.session.pipeline import Pipeline, call
-from tests.live_server import free_port, stop
+from tests.live_server import free_port, stop, wait_up
 from tests.server.conftest import CTX, MODEL, ServerThread
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
@@ -56,22 +55,6 @@ def _conversation(client: httpx.Client, model: str, k: int) -> list[tuple[int, A
     return got
 
 
-def _wait_up(proc: subprocess.Popen, base: str, log: Path, seconds: float = 120) -> None:
-    """Return once `base`/health answers 200; raise with serve's log if it exits, or after `seconds`."""
-    deadline = time.time() + seconds
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError("serve exited: " + log.read_text()[-3000:])
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline:
-            raise RuntimeError(f"serve did not come up in {seconds:.0f} s")
-        time.sleep(0.2)
-
-
 def test_32_concurrent_three_turn_conversations_each_equal_their_solo_run(tmp_path) -> None:
     """`diffgemma serve` on the bundled demo model (CPU, fp32, 4 cached conversations): each of 32 conversations run
     alone, one after another, then all 32 at once. Every turn is a 200 and every conversation's replies (text,
@@ -95,7 +78,7 @@ def test_32_concurrent_three_turn_conversations_each_equal_their_solo_run(tmp_pa
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_up(proc, base, log)
+        wait_up(proc, base, log=log)
         with httpx.Client(base_url=base) as c:
             model = c.get("/v1/models").json()["data"][0]["id"]
             started = time.perf_counter()
