@@ -8,6 +8,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
+from diffgemma.quant.weight import QuantWeight
+
 
 @dataclass(frozen=True)
 class Tiles:
@@ -134,3 +138,32 @@ def config_for(
     if not few_pairs(n_pairs, n_exp):
         return CONFIGS["prefill"]
     return CONFIGS[SPLIT3_CONFIG if split3 else DEFAULT_CONFIG]
+
+
+# The Triton kernels' weight formats (their WFMT constexpr): a `QuantWeight` format's code; a plain tensor is None.
+WEIGHT_FORMATS = {"int4": 1, "fp8": 2}
+
+
+def split3(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> bool:
+    """fp32 activations on bf16 weights (a short prompt's prefill, seed rule 7), or on a quantized weight (its tile
+    rounded to bf16): `triton_moe._mma`'s three-way split."""
+    if isinstance(w, QuantWeight):
+        if w.fmt not in WEIGHT_FORMATS or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(
+                f"triton_moe takes int4 or fp8 experts under bf16, fp16 or fp32 activations, got {w.fmt} "
+                f"under {x.dtype}"
+            )
+        return x.dtype == torch.float32
+    if x.dtype == w.dtype:
+        return False
+    if x.dtype == torch.float32 and w.dtype == torch.bfloat16:
+        return True
+    raise ValueError(
+        f"triton_moe takes activations in the weights' dtype or fp32 on bf16, got {x.dtype} on {w.dtype}"
+    )
+
+
+def config_for_weights(n_pairs: int, x: torch.Tensor, gate_up: torch.Tensor | QuantWeight) -> MoeConfig:
+    """`config_for` for activations x on these experts (plain or quantized)."""
+    fmt = gate_up.fmt if isinstance(gate_up, QuantWeight) else None
+    return config_for(n_pairs, gate_up.shape[0], split3(x, gate_up), fmt, x.dtype == torch.float32)

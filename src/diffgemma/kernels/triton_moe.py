@@ -50,10 +50,13 @@ from diffgemma.kernels.moe_tiles import (  # noqa: F401 - the tile table, also r
     QUANT_CONFIG,
     QUANT_PREFILL_CONFIG,
     SPLIT3_CONFIG,
+    WEIGHT_FORMATS,
     MoeConfig,
     Tiles,
     config_for,
+    config_for_weights,
     few_pairs,
+    split3,
 )
 from diffgemma.kernels.torch_ref import sum_sorted_pairs
 from diffgemma.quant.weight import QuantWeight
@@ -110,7 +113,6 @@ def _mma(
 _PLAIN = tl.constexpr(None)
 _INT4 = tl.constexpr(1)
 _FP8 = tl.constexpr(2)
-_WFMT = {"int4": 1, "fp8": 2}
 
 
 # int4 to bf16 in packed registers (4 bytes in, 4 bf16 out a call): bytes b0..b3 spread to two bf16 pairs
@@ -439,25 +441,6 @@ def sort_pairs(ids: torch.Tensor, n_exp: int) -> tuple[torch.Tensor, torch.Tenso
     return perm, torch.searchsorted(sorted_ids, experts, out_int32=True)
 
 
-def _split3(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> bool:
-    """fp32 activations on bf16 weights (a short prompt's prefill, seed rule 7), or on a quantized weight (its tile
-    rounded to bf16): `_mma`'s three-way split."""
-    if isinstance(w, QuantWeight):
-        if w.fmt not in _WFMT or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise ValueError(
-                f"triton_moe takes int4 or fp8 experts under bf16, fp16 or fp32 activations, got {w.fmt} "
-                f"under {x.dtype}"
-            )
-        return x.dtype == torch.float32
-    if x.dtype == w.dtype:
-        return False
-    if x.dtype == torch.float32 and w.dtype == torch.bfloat16:
-        return True
-    raise ValueError(
-        f"triton_moe takes activations in the weights' dtype or fp32 on bf16, got {x.dtype} on {w.dtype}"
-    )
-
-
 def _weight_descriptor(w: torch.Tensor, tiles: Tiles) -> TensorDescriptor:
     """A TMA descriptor of expert weights [E, R, K] as one [E * R, K] matrix, tiles of block_n x block_k."""
     e, r, k = w.shape
@@ -469,7 +452,7 @@ def _weight_descriptor(w: torch.Tensor, tiles: Tiles) -> TensorDescriptor:
 def _quant_args(x: torch.Tensor, w: QuantWeight, tiles: Tiles) -> dict:
     """A quantized weight's scale and zero-point tensors, their strides and its format constants (`_dequant`);
     the data goes where a plain weight does."""
-    _split3(x, w)
+    split3(x, w)
     if w.fmt == "int4" and tiles.block_k % 32:
         raise ValueError(
             f"int4 experts take block_k a multiple of 32 (a scale a 32 inputs), not {tiles.block_k}"
@@ -486,7 +469,7 @@ def _quant_args(x: torch.Tensor, w: QuantWeight, tiles: Tiles) -> dict:
                 strict=True,
             )
         ),
-        WFMT=_WFMT[w.fmt],
+        WFMT=WEIGHT_FORMATS[w.fmt],
     )
 
 
@@ -554,7 +537,7 @@ def gate_up_act(
         *x.stride(),
         *w_strides,
         *act.stride(),
-        **_launch_options(tiles, h, inter, _split3(x, gate_up), x.device),
+        **_launch_options(tiles, h, inter, split3(x, gate_up), x.device),
         **quant,
     )
     return act
@@ -576,16 +559,10 @@ def down_sorted(
         *act.stride(),
         *w_strides,
         *y.stride(),
-        **_launch_options(tiles, h, inter, _split3(act, down), act.device),
+        **_launch_options(tiles, h, inter, split3(act, down), act.device),
         **quant,
     )
     return y
-
-
-def config_for_weights(n_pairs: int, x: torch.Tensor, gate_up: torch.Tensor | QuantWeight) -> MoeConfig:
-    """`config_for` for activations x on these experts (plain or quantized)."""
-    fmt = gate_up.fmt if isinstance(gate_up, QuantWeight) else None
-    return config_for(n_pairs, gate_up.shape[0], _split3(x, gate_up), fmt, x.dtype == torch.float32)
 
 
 def moe_experts_triton(
