@@ -189,6 +189,6 @@ def test_graphed_denoise_matches_eager_across_ring_wraps(tmp_path, monkeypatch):
         if kv.can_truncate(kv.length - 4):
             kv.truncate(kv.length - 4)
             check()
-    assert not any(r.failed for r in m.kernels.regions.values()), m.kernels.regions
+    assert not any(r.failed for r in m.steps.regions.values()), m.steps.regions
     # plain and seed (no SC input), SC probabilities
     assert sorted(captures) == [False, False, True], captures
