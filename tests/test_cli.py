@@ -363,9 +363,13 @@ class Terminal:
 def test_chat_ctrl_c_at_the_prompt_does_not_quit_and_a_bad_seed_says_why(model):
     import os
     import signal
+    import time
 
     term = Terminal(model)
     term.expect(">>> ")
+    # readline writes the prompt before it waits on the terminal: a SIGINT between the two only sets Python's flag
+    # and the wait goes on until a key comes (a person is never that quick), so let it reach the wait first
+    time.sleep(1.0)
     os.kill(term.pid, signal.SIGINT)  # Ctrl-C at the idle prompt
     assert "/quit or Ctrl-D" in term.expect(">>> ")  # a new prompt: the REPL is still there
     term.send("/seed abc\n")
