@@ -372,6 +372,8 @@ class RuntimeConfig:
     threads: int | None = None  # CPU threads (None: one for a small model, else torch's default)
     # ranks that share each layer's experts (`runner.parallel`; launched by torchrun, one process a GPU); 1: none
     expert_parallel: int = 1
+    # an overlay pack's base checkpoint, instead of the one its overlay.json records (docs/quantization.md)
+    overlay_base: str | None = None
 
     def replace(self, **changes: Any) -> RuntimeConfig:
         return dataclasses.replace(self, **changes).validated()

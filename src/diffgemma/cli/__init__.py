@@ -1,5 +1,5 @@
 """The `diffgemma` command line (typer): ask, chat, prompt, serve, score, replay, golden, download, quantize,
-bench, train, eval. Each command's typer signature (its `--help`) lives in a module of this package by topic;
+repack, bench, train, eval. Each command's typer signature (its `--help`) lives in a module of this package by topic;
 the work each command does lives in its own module elsewhere."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from diffgemma.cli.questions import score
 from diffgemma.cli.serving import serve
 from diffgemma.cli.talk import ask, chat, prompt
 from diffgemma.cli.training import eval_, train
-from diffgemma.cli.weights import download, quantize
+from diffgemma.cli.weights import download, quantize, repack
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="DiffusionGemma inference engine.")
-for command in (ask, chat, prompt, serve, score, replay, golden, download, quantize, bench, train):
+for command in (ask, chat, prompt, serve, score, replay, golden, download, quantize, repack, bench, train):
     app.command()(command)
 app.command("eval")(eval_)
 

@@ -1,7 +1,8 @@
-"""`diffgemma download` and `quantize`: a checkpoint fetched from the hub, a pack written."""
+"""`diffgemma download`, `quantize` and `repack`: a checkpoint fetched from the hub, a pack written or repacked."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
@@ -52,6 +53,12 @@ def quantize(
         "dense, sc, vision = bf16, q8, int4, q5, q6, fp8, nvfp4.",
         show_default=False,
     ),
+    overlay: bool = typer.Option(
+        False,
+        "--overlay",
+        help="Write only the quantized tensors; every raw one stays a pinned reference into the source's "
+        "shards. Local tooling for experiment arms, never a pack to distribute.",
+    ),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="No progress line."),
 ) -> None:
     """Write a quantized pack of a checkpoint: one tensor at a time, into a directory renamed into place at the end."""
@@ -61,9 +68,64 @@ def quantize(
 
     with one_line_errors():
         try:
-            path = write_pack(resolve_model(model), out, profile, overrides, quiet=quiet)
+            path = write_pack(resolve_model(model), out, profile, overrides, quiet=quiet, overlay=overlay)
         except QuantSpecError as e:
             raise CliError(str(e), code=2) from None
+        except KeyboardInterrupt:
+            raise CliError(f"interrupted; no {out} was written", code=130) from None
+        print(path)
+
+
+def repack(
+    model: str = typer.Option(..., "-m", "--model", help="The pack (--overlay) or overlay (--monolithic)."),
+    out: Path = typer.Option(..., "-o", "--out", help="The new directory (must not exist)."),
+    overlay: bool = typer.Option(
+        False, "--overlay", help="Split a self-contained pack into an overlay on --base."
+    ),
+    monolithic: bool = typer.Option(
+        False, "--monolithic", help="Flatten an overlay into a self-contained pack."
+    ),
+    base: str | None = typer.Option(
+        None,
+        "--base",
+        help="--overlay: the checkpoint the pack was quantized from (a directory or HF repo id).",
+    ),
+    quiet: bool = typer.Option(False, "-q", "--quiet", help="No progress line."),
+) -> None:
+    """Split a pack into an overlay (its raw tensors verified byte for byte against the base and referenced there,
+    any that differ stored) or flatten an overlay back. Overlays are local tooling for experiment arms, never a pack
+    to distribute; an overlay's base comes from its overlay.json, or DIFFGEMMA_OVERLAY_BASE."""
+    from diffgemma.quant.profiles import QuantSpecError
+    from diffgemma.weights.download import resolve_model
+    from diffgemma.weights.overlay import OverlayError
+    from diffgemma.weights.repack import flatten, split
+
+    with one_line_errors():
+        if overlay == monolithic:
+            raise CliError("repack: pass exactly one of --overlay and --monolithic", code=2)
+        if monolithic and base is not None:
+            raise CliError(
+                "repack --monolithic takes no --base: the overlay records its base (DIFFGEMMA_OVERLAY_BASE "
+                "overrides it)",
+                code=2,
+            )
+        if overlay and base is None:
+            raise CliError(
+                "repack --overlay needs --base, the checkpoint the pack was quantized from", code=2
+            )
+        try:
+            if overlay:
+                path, n, differ = split(resolve_model(model), out, resolve_model(base), quiet=quiet)
+                note = f"; {len(differ)} differ from the base's bytes, e.g. {differ[0]}" if differ else ""
+                print(f"diffgemma: {n} tensors referenced in the base{note}", file=sys.stderr)
+            else:
+                from diffgemma.config import load_runtime_config
+
+                path = flatten(resolve_model(model), out, load_runtime_config().overlay_base, quiet=quiet)
+        except QuantSpecError as e:
+            raise CliError(str(e), code=2) from None
+        except OverlayError as e:
+            raise CliError(str(e)) from None
         except KeyboardInterrupt:
             raise CliError(f"interrupted; no {out} was written", code=130) from None
         print(path)

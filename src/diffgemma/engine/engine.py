@@ -162,7 +162,7 @@ class EngineCore:
         max_tokens = cfg.context(max_tokens, LOAD_CONTEXT)
         if torch_device.type == "cpu":
             set_cpu_threads(cfg, config.threads)
-        model = load_model(path, torch_device, torch_dtype)
+        model = load_model(path, torch_device, torch_dtype, base=config.overlay_base)
         sampler = load_sampler_config(path)
         if sampler_overrides:
             sampler = dataclasses.replace(sampler, **sampler_overrides).validated()

@@ -24,6 +24,7 @@ from diffgemma.config import FULL, SLIDING, ConfigError, ModelConfig
 from diffgemma.model.model import DiffusionGemma
 from diffgemma.quant import formats
 from diffgemma.quant.weight import QuantWeight
+from diffgemma.weights.overlay import Overlay, OverlayError
 from diffgemma.weights.pack import PAD_PREFIX, TORCH_DTYPES, misaligned
 
 DECODER = "model.decoder."
@@ -207,10 +208,11 @@ def plan_weights(model: DiffusionGemma, infos: dict[str, formats.TensorInfo], pa
 
 @contextmanager
 def stored_tensors(
-    path: Path,
+    path: Path, base: str | Path | None = None
 ) -> Iterator[tuple[dict[str, formats.TensorInfo], Callable[[str], torch.Tensor]]]:
     """The checkpoint's tensors under our names, as (infos from the headers, a reader), with the pack and
-    compressed-tensors checks done: nothing is read until the reader is called."""
+    compressed-tensors checks done: nothing is read until the reader is called. An overlay pack's raw tensors
+    come from its base's shards (`base`, when given, instead of the recorded one), each shard checked first."""
     files = {n: f for n, f in shard_files(path).items() if not n.startswith(PAD_PREFIX)}
     qc = json.loads((path / "config.json").read_text()).get("quantization_config")
     method = qc.get("quant_method") if isinstance(qc, dict) else None
@@ -221,6 +223,12 @@ def stored_tensors(
         )
     if method == "diffgemma":
         _check_pack(path, files)
+        try:
+            index = Overlay.read(path)
+            if index is not None:  # the pack's own tensors win over the base's of the same name
+                files = {**index.resolve(path, base), **files}
+        except OverlayError as e:
+            raise CheckpointError(str(e)) from None
     with ExitStack() as stack:
         handles = {f: stack.enter_context(_open(f)) for f in set(files.values())}
 
@@ -394,6 +402,7 @@ def check_checkpoint(
     device: torch.device | str,
     dtype: torch.dtype,
     raw_config: dict | None = None,
+    base: str | Path | None = None,
 ) -> int:
     """Check config.json against the checkpoint's headers (layer count and types, every weight's shape and
     format) and the weights' memory against what `device` has free, before any model is built or weight read;
@@ -401,7 +410,7 @@ def check_checkpoint(
     path, device = Path(path), torch.device(device)
     raw = raw_config if raw_config is not None else json.loads((path / "config.json").read_text())
     tc = raw.get("text_config", raw)
-    with stored_tensors(path) as (infos, _):
+    with stored_tensors(path, base) as (infos, _):
         _check_layers(cfg, infos, tc.get("layer_types") is not None)
         total = 0
         for e in expected_weights(cfg, transformers_spelling="per_layer_config" in tc):
@@ -438,13 +447,18 @@ def _size(nbytes: float) -> str:
 
 
 def load_weights(
-    model: DiffusionGemma, path: str | Path, device: torch.device | str, dtype: torch.dtype
+    model: DiffusionGemma,
+    path: str | Path,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    base: str | Path | None = None,
 ) -> None:
     """Fill every weight of `model` from the checkpoint or pack at `path`, on device: float weights cast to dtype,
-    quantized ones kept in their format (`QuantWeight`) where the device runs it, else dequantized to dtype."""
+    quantized ones kept in their format (`QuantWeight`) where the device runs it, else dequantized to dtype.
+    `base`: an overlay pack's base checkpoint, instead of the one it records."""
     path = Path(path)
     device = torch.device(device)
-    with stored_tensors(path) as (infos, read):
+    with stored_tensors(path, base) as (infos, read):
         fmts = plan_weights(model, infos, path)
 
         target = str(dtype).removeprefix("torch.")
@@ -516,11 +530,14 @@ def load_weights(
         model.inv_freq[lt] = model.inv_freq[lt].to(device)
 
 
-def load_model(path: str | Path, device: torch.device | str, dtype: torch.dtype) -> DiffusionGemma:
-    """Build the model from config.json without allocating (meta device), then fill it from the checkpoint."""
+def load_model(
+    path: str | Path, device: torch.device | str, dtype: torch.dtype, base: str | Path | None = None
+) -> DiffusionGemma:
+    """Build the model from config.json without allocating (meta device), then fill it from the checkpoint
+    (`base`: an overlay pack's base checkpoint, instead of the one it records: RuntimeConfig.overlay_base)."""
     cfg = ModelConfig.from_dir(path)
-    check_checkpoint(cfg, path, device, dtype)
+    check_checkpoint(cfg, path, device, dtype, base=base)
     with torch.device("meta"):
         model = DiffusionGemma(cfg)
-    load_weights(model, path, device, dtype)
+    load_weights(model, path, device, dtype, base)
     return model.eval()

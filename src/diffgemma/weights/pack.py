@@ -14,7 +14,8 @@ import shutil
 import struct
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from safetensors import safe_open
 from diffgemma.quant import formats
 from diffgemma.quant.profiles import QuantSpecError, resolve, tensor_class
 from diffgemma.weights.header import read_header
+from diffgemma.weights.overlay import Overlay
 
 ALIGN = 64
 PAD_PREFIX = "__pad__."
@@ -118,6 +120,63 @@ def write_aligned(path: Path, entries: list[Entry], produce: Callable[[Entry], t
             f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
+def chunk(groups: list[list[Entry]]) -> list[list[Entry]]:
+    """Groups of entries (a source tensor's) packed in order into shards of about SHARD_BYTES, a group never
+    split across two; at least one shard, which may be empty."""
+    shards: list[list[Entry]] = [[]]
+    size = 0
+    for entries in groups:
+        n = sum(e.nbytes for e in entries)
+        if size and size + n > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].extend(entries)
+        size += n
+    return shards
+
+
+def shard_names(n: int) -> list[str]:
+    """The hub's names for n shards: model.safetensors alone, else model-0000i-of-0000n.safetensors."""
+    if n == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def write_shards(directory: Path, shards: list[tuple[str, list[Entry]]], produce) -> None:
+    """Each (file name, entries) as an aligned safetensors file, and the index when there are several."""
+    weight_map = {}
+    for fname, entries in shards:
+        write_aligned(directory / fname, entries, produce)
+        weight_map.update(dict.fromkeys((e.name for e in entries), fname))
+    if len(shards) > 1:
+        total = sum(e.nbytes for _, entries in shards for e in entries)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def copy_side_files(src: Path, dst: Path) -> None:
+    """The generation config and tokenizer files a pack carries over from its source, where it has them."""
+    for name in COPIED:
+        if (src / name).exists():
+            shutil.copyfile(src / name, dst / name)
+
+
+@contextmanager
+def staged(out: Path) -> Iterator[Path]:
+    """A temporary directory beside `out`, renamed to `out` when the block completes and removed when it raises
+    (Ctrl-C included), so that no partial `out` is ever left."""
+    if out.exists():
+        raise QuantSpecError(f"{out} already exists: pass a new directory")
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    try:
+        tmp.mkdir(parents=True)
+        yield tmp
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 # -- diffgemma quantize --------------------------------------------------------------------------------
 
 
@@ -153,8 +212,7 @@ def plan(src: Path, profile: str, overrides: list[str] | tuple[str, ...] = ()) -
     if "quantization_config" in config:
         raise QuantSpecError(f"{src} is already quantized: quantize from a bf16 checkpoint")
     fmts: dict[str, str] = {}
-    shards: list[list[Entry]] = [[]]
-    size = 0
+    groups: list[list[Entry]] = []
     sources = {}
     for name, (path, dtype, shape) in _source_tensors(src).items():
         if name.startswith(PAD_PREFIX):
@@ -166,29 +224,25 @@ def plan(src: Path, profile: str, overrides: list[str] | tuple[str, ...] = ()) -
             raise QuantSpecError(f"tensor {name} {tuple(shape)} ({cls}) cannot be {fmt}: {problem}")
         fmts[name], sources[name] = fmt, path
         if fmt == "bf16":
-            entries = [Entry(name, TORCH_DTYPES[dtype], shape, name)]
+            groups.append([Entry(name, TORCH_DTYPES[dtype], shape, name)])
         else:
-            entries = [Entry(name + s, i.dtype, i.shape, name) for s, i in formats.layout(fmt, shape).items()]
-        n = sum(e.nbytes for e in entries)
-        if size and size + n > SHARD_BYTES:
-            shards.append([])
-            size = 0
-        shards[-1].extend(entries)
-        size += n
+            groups.append(
+                [Entry(name + s, i.dtype, i.shape, name) for s, i in formats.layout(fmt, shape).items()]
+            )
     config["quantization_config"] = {
         "quant_method": "diffgemma",
         "profile": base,
         "formats": resolved,
         "overrides": given,
     }
-    return Plan(fmts, shards, sources, config)
+    return Plan(fmts, chunk(groups), sources, config)
 
 
 class Progress:
     """One line on stderr, rewritten in place on a terminal: tensors and bytes done."""
 
-    def __init__(self, total_bytes: int, quiet: bool = False):
-        self.total, self.done, self.quiet = total_bytes, 0, quiet
+    def __init__(self, total_bytes: int, quiet: bool = False, verb: str = "quantizing"):
+        self.total, self.done, self.quiet, self.verb = total_bytes, 0, quiet, verb
         self.tty = sys.stderr.isatty()
         self.last = 0.0
         self.t0 = time.monotonic()
@@ -200,7 +254,7 @@ class Progress:
             return
         self.last = now
         pct = 100.0 * self.done / max(self.total, 1)
-        line = f"quantizing {pct:5.1f}%  {self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB  {name}"
+        line = f"{self.verb} {pct:5.1f}%  {self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB  {name}"
         if self.tty:
             print("\r" + line[:120].ljust(120), end="", file=sys.stderr, flush=True)
         elif self.done >= self.total:
@@ -220,25 +274,34 @@ def _encode(t: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
 
 
 def quantize(
-    src: str | Path, out: str | Path, profile: str, overrides: list[str] | tuple[str, ...] = (), quiet=False
+    src: str | Path,
+    out: str | Path,
+    profile: str,
+    overrides: list[str] | tuple[str, ...] = (),
+    quiet: bool = False,
+    overlay: bool = False,
 ) -> Path:
     """Write the pack of checkpoint `src` at `out`: everything refusable is refused before `out` exists or a
-    weight is read; the pack is built in a temporary directory beside `out` and renamed into place at the end,
-    so a failure or Ctrl-C leaves no partial `out`."""
+    weight is read, and `out` appears only complete (`staged`). With `overlay`, the pack holds only the
+    quantized tensors and references every raw one in `src`'s shards (weights/overlay.py)."""
     src, out = Path(src), Path(out)
     if out.exists():
         raise QuantSpecError(f"{out} already exists: pass a new directory")
     p = plan(src, profile, overrides)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    progress = Progress(sum(e.nbytes for shard in p.shards for e in shard), quiet)
-    try:
-        tmp.mkdir(parents=True)
+    layout = list(zip(shard_names(len(p.shards)), p.shards, strict=True))
+    index = None
+    if overlay:
+        external = {n: p.sources[n].relative_to(src).as_posix() for n, f in p.formats.items() if f == "bf16"}
+        index = Overlay.make(src, external, [(f, [e.name for e in es]) for f, es in layout])
+        groups: dict[str, list[Entry]] = {}
+        for e in (e for shard in p.shards for e in shard if e.source not in external):
+            groups.setdefault(e.source, []).append(e)
+        local = chunk(list(groups.values()))
+        layout = list(zip(shard_names(len(local)), local, strict=True))
+    progress = Progress(sum(e.nbytes for _, shard in layout for e in shard), quiet)
+    with staged(out) as tmp:
         handles: dict[Path, object] = {}
         current: dict[str, torch.Tensor] = {}
-        weight_map = {}
-        names = [f"model-{i + 1:05d}-of-{len(p.shards):05d}.safetensors" for i in range(len(p.shards))]
-        if len(p.shards) == 1:
-            names = ["model.safetensors"]
 
         def produce(e: Entry) -> torch.Tensor:
             if e.name not in current:  # the first entry of a source tensor: encode it, drop the last one's
@@ -251,20 +314,10 @@ def quantize(
             progress.step(e.nbytes, e.name)
             return current.pop(e.name)
 
-        for fname, shard in zip(names, p.shards, strict=True):
-            write_aligned(tmp / fname, shard, produce)
-            weight_map.update(dict.fromkeys((e.name for e in shard), fname))
-        if len(names) > 1:
-            total = sum(e.nbytes for shard in p.shards for e in shard)
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        write_shards(tmp, layout, produce)
         (tmp / "config.json").write_text(json.dumps(p.config, indent=2) + "\n")
-        for name in COPIED:
-            if (src / name).exists():
-                shutil.copyfile(src / name, tmp / name)
+        copy_side_files(src, tmp)
+        if index is not None:
+            index.write(tmp)
         progress.close()
-        tmp.rename(out)
-    except BaseException:  # Ctrl-C included: nothing partial stays behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
