@@ -65,9 +65,11 @@ def random_model(
 
 
 def load_checkpoint(path: str, device: str, dtype: torch.dtype) -> tuple[DiffusionGemma, dict[str, Any]]:
+    from diffgemma.config import load_runtime_config
     from diffgemma.weights.loader import load_model
 
-    return load_model(path, device, dtype), json.loads((Path(path) / "config.json").read_text())
+    base = load_runtime_config().overlay_base  # an overlay pack's base, as Engine.load reads it
+    return load_model(path, device, dtype, base=base), json.loads((Path(path) / "config.json").read_text())
 
 
 def weight_bytes(model: DiffusionGemma) -> int:
