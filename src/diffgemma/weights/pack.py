@@ -142,7 +142,9 @@ def shard_names(n: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
-def write_shards(directory: Path, shards: list[tuple[str, list[Entry]]], produce) -> None:
+def write_shards(
+    directory: Path, shards: list[tuple[str, list[Entry]]], produce: Callable[[Entry], torch.Tensor]
+) -> None:
     """Each (file name, entries) as an aligned safetensors file, and the index when there are several."""
     weight_map = {}
     for fname, entries in shards:
