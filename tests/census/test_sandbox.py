@@ -158,6 +158,23 @@ def test_a_big_file_is_refused():
     assert "wrote" not in r.stdout and (r.status == "killed" or r.exit_code != 0), r
 
 
+def test_filling_the_disk_is_bounded():
+    src = (
+        "import os\nn = files = 0\ntry:\n    while True:\n"
+        "        with open(f'f{n}', 'wb') as f:\n            f.write(b'x' * 1000000)\n        n += 1\n"
+        "except OSError as e:\n    print(n, e.errno)\n"
+        "try:\n    while True:\n        open(f'e{files}', 'w').close()\n        files += 1\n"
+        "except OSError as e:\n    print(files, e.errno)\n"
+    )
+    r = run_program(src, "python", timeout_s=5)
+    if "filesystem" not in r.isolation:
+        pytest.skip(f"no private workspace on this platform: {r.detail}")
+    assert r.status == "ok", r
+    (megabytes, err1), (files, err2) = (line.split() for line in r.stdout.splitlines())
+    assert int(megabytes) * 1_000_000 <= sandbox.WORKSPACE_BYTES and err1 == "28", r  # ENOSPC
+    assert int(files) <= 1024 and err2 == "28", r
+
+
 def test_output_flood_is_capped_and_killed():
     r = run_program("import sys\nwhile True:\n    sys.stdout.write('y' * 65536)", "python", timeout_s=5)
     assert r.status == "killed" and "cap" in r.detail, r

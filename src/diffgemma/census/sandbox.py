@@ -54,6 +54,8 @@ MEMORY_BYTES = 512 << 20  # RLIMIT_AS per process
 FILE_BYTES = 1 << 20  # RLIMIT_FSIZE: the largest file a program may write
 PROCESSES = 16  # RLIMIT_NPROC: processes (and threads) of the run
 OPEN_FILES = 64  # RLIMIT_NOFILE
+WORKSPACE_BYTES = 16 << 20  # the tmpfs the run's directory is, where a mount namespace is allowed
+_WORKSPACE_FILES = 1024  # its inodes
 UID_BASE, UID_SPAN = 1_600_000_000, 100_000_000  # fresh uids: far above any real account, below 2**31
 PATH = "/usr/local/bin:/usr/bin:/bin"
 LANGUAGES = ("python", "bash")
@@ -142,6 +144,7 @@ def _run_in(
         "cpu_s": math.ceil(timeout_s) + 1,
         "limits": {"AS": MEMORY_BYTES, "FSIZE": FILE_BYTES, "NOFILE": OPEN_FILES, "CORE": 0},
         "processes": PROCESSES,
+        "workspace_bytes": WORKSPACE_BYTES,
         "parent": os.getpid(),
     }
     env = {"PATH": PATH, "HOME": str(run), "TMPDIR": str(tmp)}
@@ -337,7 +340,7 @@ def _remove(top: Path) -> None:
 # ---- the launcher: this file as a script, in a fresh interpreter, between the caller and the program ----
 
 _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
-_MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 1 << 18
+_MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 1 << 18
 _MOUNT_ATTR_RDONLY, _AT_RECURSIVE, _AT_FDCWD = 0x1, 0x8000, -100
 _SYS_MOUNT_SETATTR = 442  # the same number on x86_64 and aarch64
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
@@ -368,7 +371,7 @@ def _launch(spec: dict, status_fd: int) -> None:
         if namespaced:
             _private_mounts(libc)
             _expose(libc, spec["expose"])
-            _readonly_except(libc, spec["top"], isolation, notes)
+            _workspace(libc, spec, uid, isolation, notes)
         elif spec["expose"]:
             hidden, prefix = spec["expose"]
             raise OSError(
@@ -385,10 +388,10 @@ def _launch(spec: dict, status_fd: int) -> None:
         namespaced = _user_namespace(libc, notes)
         if namespaced:
             _private_mounts(libc)
-            _readonly_except(libc, spec["top"], isolation, notes)
+            _workspace(libc, spec, os.getuid(), isolation, notes)
     if namespaced:
         isolation.insert(0, "network")
-        os.chdir(os.getcwd())  # the cwd was taken before the bind: take it again, on the writable mount
+        os.chdir(os.path.join(spec["top"], "run"))  # the cwd was taken before the tmpfs: take it on the tmpfs
     processes = spec["processes"]
     if uid is None and not namespaced:  # RLIMIT_NPROC counts every process this user runs on the machine
         processes += len(_pids_of(os.getuid()))
@@ -453,15 +456,30 @@ def _expose(libc: ctypes.CDLL, expose: list[str] | None) -> None:
     os.close(keep)
 
 
-def _readonly_except(libc: ctypes.CDLL, top: str, isolation: list[str], notes: list[str]) -> None:
-    """Make every mount of this (new, private) mount namespace read-only except a bind of the run's `top`."""
+def _workspace(libc: ctypes.CDLL, spec: dict, owner: int, isolation: list[str], notes: list[str]) -> None:
+    """In this (new, private) mount namespace: put the run's directory on a fresh tmpfs of WORKSPACE_BYTES (what
+    the program writes is bounded in bytes and files, and goes with the namespace), then make every other mount
+    read-only."""
+    top = spec["top"]
+    run = Path(top, "run")
+    scripts = {p.name: p.read_bytes() for p in run.iterdir()}
+    options = f"mode=0711,size={spec['workspace_bytes']},nr_inodes={_WORKSPACE_FILES}".encode()
     try:
-        path = top.encode()
-        _libc_call("bind", libc.mount(path, path, None, _MS_BIND | _MS_REC, None))
+        _libc_call("tmpfs", libc.mount(b"tmpfs", top.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options))
+    except OSError as e:
+        notes.append(f"no private workspace or read-only filesystem ({e})")
+        return
+    for path in (run, Path(top, "tmp")):
+        path.mkdir(mode=0o700)
+        os.chown(path, owner, owner)
+    for name, data in scripts.items():
+        (run / name).write_bytes(data)
+        os.chown(run / name, owner, owner)
+    try:
         ro = _MountAttr(_MOUNT_ATTR_RDONLY, 0, 0, 0)
         _libc_call("mount_setattr /", _mount_setattr(libc, b"/", _AT_RECURSIVE, ro))
         rw = _MountAttr(0, _MOUNT_ATTR_RDONLY, 0, 0)
-        _libc_call("mount_setattr run directory", _mount_setattr(libc, path, 0, rw))
+        _libc_call("mount_setattr of the workspace", _mount_setattr(libc, top.encode(), 0, rw))
     except OSError as e:
         notes.append(f"no read-only filesystem ({e})")
         return
