@@ -2,7 +2,7 @@
 wedged machine or a touched file outside its directory.
 
 Each run gets a fresh temporary directory (its cwd, HOME and TMPDIR; removed afterwards), an environment of PATH,
-HOME and TMPDIR only, stdin from an unlinked file, stdout and stderr captured up to OUTPUT_CAP bytes each (past
+HOME and TMPDIR only (and the LC_CTYPE=C.UTF-8 that Python's locale coercion adds), stdin from an unlinked file, stdout and stderr captured up to OUTPUT_CAP bytes each (past
 the cap the process group is killed and the output flagged as truncated), and a hard wall timeout that SIGKILLs the
 whole process group. The program is not started from this process with a `preexec_fn` (unsafe here: the caller
 holds torch's threads, and a forked child running Python code can deadlock on a lock one of them held); instead
@@ -15,12 +15,16 @@ then execs the program. Its layers, each recorded in RunResult.isolation when it
   and shared with every other job on the machine), and after the run a reaper of that uid kills every process it
   left (`kill(-1)` as that uid, which also catches a child that left the process group).
 - "network": an empty network namespace (only a down loopback: even 127.0.0.1 is unreachable).
-- "filesystem": a private mount namespace whose every mount is read-only except the run's directory (a
-  bind-mounted writable copy), so the world-writable /tmp, /var/tmp and /dev/shm are closed too.
+- "filesystem": a private mount namespace in which the run's directory is a fresh tmpfs of WORKSPACE_BYTES (what
+  the program writes is bounded, and goes with the namespace) and every other mount is read-only, so the
+  world-writable /tmp, /var/tmp and /dev/shm are closed too. When the interpreter lies under a directory other
+  users may not enter (a pyenv under /root), that directory is covered by a tmpfs holding only a bind of the
+  interpreter's prefix: the program sees the interpreter, not the rest of /root.
 As root the namespaces are made with the launcher's own capabilities before it drops the uid; otherwise (or when
 that is refused) it creates a user namespace mapping only its own uid and makes them inside it. A layer the
 platform refuses is left out and its reason is in RunResult.detail: without "uid" (not root) RLIMIT_NPROC is set
-relative to the processes this user already runs, and only the process group is killed afterwards.
+relative to the processes this user already runs, and only the process group is killed afterwards; without
+"filesystem" the run's directory is on the disk (files of FILE_BYTES at most, but not their number).
 
 Resource limits (setrlimit in the launcher, inherited by the program): CPU seconds (the timeout rounded up, plus
 one), address space MEMORY_BYTES, file size FILE_BYTES, PROCESSES processes, OPEN_FILES descriptors, no core
@@ -122,9 +126,8 @@ def _run_in(
     uid = _fresh_uid() if os.geteuid() == 0 else None
     expose = None
     if language == "python":
-        python = os.path.realpath(
-            sys.executable
-        )  # the binary itself, not a venv's link: -S skips the venv anyway
+        # the binary itself, not a venv's link to it: -S leaves the venv's packages out anyway
+        python = os.path.realpath(sys.executable)
         argv = [python, "-I", "-S", "-B", script.name, *args]
         if uid is not None:
             expose = _hidden_prefix(os.path.commonpath([sys.base_prefix, python]))
@@ -173,6 +176,8 @@ def _run_in(
         os.close(status_r)
         _kill_group(proc)
         proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
         if uid is not None and bash:
             _reap(uid, bash)
     return _result(proc.returncode, captured, timeout_s)
@@ -232,6 +237,11 @@ def _capture(proc: subprocess.Popen, status_fd: int, deadline: float) -> _Captur
                     _kill_group(proc)
                     return got
                 setattr(got, name, kept)
+    if not (got.timed_out or got.leftovers):  # the pipes closed: wait for the exit (a program may close them)
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            got.timed_out = True
     return got
 
 
