@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import resource
 import socket
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -268,6 +269,19 @@ def test_the_network_is_unreachable():
         assert r.status == "ok" and r.stdout.startswith("refused"), r
         with pytest.raises(TimeoutError):
             server.accept()
+
+
+def test_it_cannot_signal_processes_outside_the_run():
+    probe = run_program("true", "bash", timeout_s=5)
+    _require(probe, "uid")  # without a fresh uid, kill -1 would reach this user's own processes
+    bystander = subprocess.Popen(["sleep", "30"])
+    try:
+        r = run_program("kill -KILL -1\nkill -KILL 1\necho survived", "bash", timeout_s=5)
+        assert bystander.poll() is None, "the sandbox killed a process outside its run"
+        assert r.status == "ok" and "survived" in r.stdout, r
+    finally:
+        bystander.kill()
+        bystander.wait()
 
 
 def test_it_cannot_gain_privileges():

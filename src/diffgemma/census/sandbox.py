@@ -23,8 +23,9 @@ then execs the program. Its layers, each recorded in RunResult.isolation when it
 As root the namespaces are made with the launcher's own capabilities before it drops the uid; otherwise (or when
 that is refused) it creates a user namespace mapping only its own uid and makes them inside it. A layer the
 platform refuses is left out and its reason is in RunResult.detail: without "uid" (not root) RLIMIT_NPROC is set
-relative to the processes this user already runs, and only the process group is killed afterwards; without
-"filesystem" the run's directory is on the disk (files of FILE_BYTES at most, but not their number).
+relative to the processes this user already runs, only the process group is killed afterwards, and the program
+may signal this user's other processes (a pid namespace would stop that: not built, root has the fresh uid);
+without "filesystem" the run's directory is on the disk (files of FILE_BYTES at most, but not their number).
 
 Resource limits (setrlimit in the launcher, inherited by the program): CPU seconds (the timeout rounded up, plus
 one), address space MEMORY_BYTES, file size FILE_BYTES, PROCESSES processes, OPEN_FILES descriptors, no core
