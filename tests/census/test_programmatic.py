@@ -1,6 +1,6 @@
-"""The programmatic grader and battery (issue #61 item 2): a reply is graded pass / compile_fail / wrong_output /
-no_program, a fenced reply is flagged and still run, and every battery prompt's fixture cases are passed by a
-reference solution and failed by a program that does nothing."""
+"""The programmatic grader and battery (issue #61 item 2): a reply is graded pass / compile_fail /
+wrong_output / no_program, a fenced reply is flagged and still run, and every battery prompt's fixture cases
+are passed by a reference solution and failed by a program that does nothing."""
 
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ REFERENCE = {
     ),
     "py-parity-exit": "import sys\nsys.exit(int(sys.stdin.read()) % 2)\n",
     "py-letter-counts": (
-        "import sys, collections\nc = collections.Counter(ch for ch in sys.stdin.read().lower() if 'a' <= ch <= 'z')\n"
+        "import sys, collections\n"
+        "c = collections.Counter(ch for ch in sys.stdin.read().lower() if 'a' <= ch <= 'z')\n"
         "for k in sorted(c):\n    print(k, c[k])\n"
     ),
     "py-json-keys": "import json, sys\nfor k in sorted(json.load(sys.stdin)):\n    print(k)\n",
@@ -70,7 +71,9 @@ REFERENCE = {
     "sh-count-args": 'echo "$#"\n',
     "sh-upper": "tr 'a-z' 'A-Z'\n",
     "sh-sort-numbers": "sort -n\n",
-    "sh-greet": 'if [ "$#" -eq 0 ]; then echo "Hello, world!"; fi\nfor n in "$@"; do echo "Hello, $n!"; done\n',
+    "sh-greet": (
+        'if [ "$#" -eq 0 ]; then echo "Hello, world!"; fi\nfor n in "$@"; do echo "Hello, $n!"; done\n'
+    ),
     "sh-exit-status": 'if [ "$1" = fail ]; then exit 3; fi\necho ok\n',
     "sh-line-lengths": 'while IFS= read -r line; do echo "${#line}"; done\n',
     "sh-max": 'm=$1\nfor n in "$@"; do if [ "$n" -gt "$m" ]; then m=$n; fi; done\necho "$m"\n',

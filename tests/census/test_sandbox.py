@@ -1,7 +1,7 @@
-"""The sandbox that runs generated programs (issue #61 "Must show"): hostile programs (an infinite loop, fork bombs,
-a 10 GB allocation, writing outside the run's directory, reaching the network, flooding the output, escaping the
-process group) each end as a failed run, leaving the machine and the filesystem as they were; a normal program
-gets its args and stdin. Timeouts are kept small so that the file runs in seconds."""
+"""The sandbox that runs generated programs (issue #61 "Must show"): hostile programs (an infinite loop, fork
+bombs, a 10 GB allocation, writing outside the run's directory, reaching the network, flooding the output,
+escaping the process group) each end as a failed run, leaving the machine and the filesystem as they were; a
+normal program gets its args and stdin. Timeouts are kept small so that the file runs in seconds."""
 
 from __future__ import annotations
 
@@ -207,7 +207,7 @@ def test_output_flood_is_capped_and_killed():
 
 @pytest.fixture
 def victim_dir():
-    """A directory outside the sandbox with a file in it: readable by all (mode 0755), and a world-writable one."""
+    """A directory outside the sandbox, readable by all (0755), with a file and a world-writable directory."""
     with tempfile.TemporaryDirectory(prefix="diffgemma-victim-") as d:
         base = Path(d)
         os.chmod(base, 0o755)
@@ -261,7 +261,8 @@ def test_the_network_is_unreachable():
         port = server.getsockname()[1]
         src = (
             "import socket\ntry:\n"
-            f"    socket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'hi')\n    print('connected')\n"
+            f"    socket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'hi')\n"
+            "    print('connected')\n"
             "except OSError as e:\n    print('refused', e.errno)\n"
         )
         r = run_program(src, "python", timeout_s=5)

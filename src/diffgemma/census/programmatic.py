@@ -1,5 +1,5 @@
-"""Grade a reply that should be a program: syntax-check it, run it on each fixture case in the sandbox, and keep
-"it did not compile" apart from "it ran and printed the wrong thing".
+"""Grade a reply that should be a program: syntax-check it, run it on each fixture case in the sandbox, and
+keep "it did not compile" apart from "it ran and printed the wrong thing".
 
 The battery (assets/batteries/programmatic.jsonl) has one JSON object per line:
 
@@ -7,22 +7,22 @@ The battery (assets/batteries/programmatic.jsonl) has one JSON object per line:
      "check": {"kind": "program", "language": "python",
                "cases": [{"args": ["2", "3"], "stdin": "", "stdout": "5", "exit_code": 0}, ...]}}
 
-`id` is unique in the file; `prompt` asks for a bare program (no Markdown, no explanation); `check.language` is
-"python" (run by the current interpreter, standard library only) or "bash"; each case gives the command-line
-`args` (default none), `stdin` (default empty), the expected `stdout` and `exit_code` (default 0), and
-`check.timeout_s` (default 10) bounds each run. Outcomes:
+`id` is unique in the file; `prompt` asks for a bare program (no Markdown, no explanation); `check.language`
+is "python" (run by the current interpreter, standard library only) or "bash"; each case gives the
+command-line `args` (default none), `stdin` (default empty), the expected `stdout` and `exit_code` (default
+0), and `check.timeout_s` (default 10) bounds each run. Outcomes:
 
 - "no_program": nothing that reads as code (see `looks_like_code`) is left once a fence is taken off;
 - "compile_fail": Python's `compile()` (in this process: it executes nothing) or `bash -n` (in the sandbox)
   rejects it;
-- "wrong_output": a case ended other than by exiting (a timeout, a signal, the output cap), or its exit code or
-  its stdout differs (compared after stripping trailing whitespace from each line and trailing newlines);
+- "wrong_output": a case ended other than by exiting (a timeout, a signal, the output cap), or its exit code
+  or its stdout differs (compared after stripping trailing whitespace from each line and trailing newlines);
   after a timeout the remaining cases are not run (they count as failed: a hanging program would cost the
   timeout once per case);
 - "pass": every case matched.
 
-A reply in a Markdown fence is counted as disobeying (`fenced`) but is unwrapped (the first fenced block) and still
-graded."""
+A reply in a Markdown fence is counted as disobeying (`fenced`) but is unwrapped (the first fenced block) and
+still graded."""
 
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ _SHELL_WORDS = frozenset(_SHELL_KEYWORDS.split())
 
 @dataclass(frozen=True)
 class ProgramOutcome:
-    """How a reply fared: `outcome` (one of OUTCOMES), whether it came fenced, how many cases passed out of how
-    many, and a line on the first thing that went wrong."""
+    """How a reply fared: `outcome` (one of OUTCOMES), whether it came fenced, how many cases passed out of
+    how many, and a line on the first thing that went wrong."""
 
     outcome: str
     fenced: bool

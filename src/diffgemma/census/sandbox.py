@@ -1,37 +1,39 @@
-"""Run an untrusted generated program (Python or bash) so that a hanging or hostile one is a failed run, never a
-wedged machine or a touched file outside its directory.
+"""Run an untrusted generated program (Python or bash) so that a hanging or hostile one is a failed run, never
+a wedged machine or a touched file outside its directory.
 
-Each run gets a fresh temporary directory (its cwd, HOME and TMPDIR; removed afterwards), an environment of PATH,
-HOME and TMPDIR only (and the LC_CTYPE=C.UTF-8 that Python's locale coercion adds), stdin from an unlinked file, stdout and stderr captured up to OUTPUT_CAP bytes each (past
-the cap the process group is killed and the output flagged as truncated), and a hard wall timeout that SIGKILLs the
-whole process group. The program is not started from this process with a `preexec_fn` (unsafe here: the caller
-holds torch's threads, and a forked child running Python code can deadlock on a lock one of them held); instead
-this file runs as a script in a fresh single-threaded `python -I -S -B` (the launcher), which isolates itself and
-then execs the program. Its layers, each recorded in RunResult.isolation when it holds:
+Each run gets a fresh temporary directory (its cwd, HOME and TMPDIR; removed afterwards), an environment of
+PATH, HOME and TMPDIR only (and the LC_CTYPE=C.UTF-8 that Python's locale coercion adds), stdin from an
+unlinked file, stdout and stderr captured up to OUTPUT_CAP bytes each (past the cap the process group is
+killed and the output flagged as truncated), and a hard wall timeout that SIGKILLs the whole process group.
+The program is not started from this process with a `preexec_fn` (unsafe here: the caller holds torch's
+threads, and a forked child running Python code can deadlock on a lock one of them held); instead this file
+runs as a script in a fresh single-threaded `python -I -S -B` (the launcher), which isolates itself and then
+execs the program. Its layers, each recorded in RunResult.isolation when it holds:
 
-- "uid": run as root (as in our containers), the launcher drops to a fresh uid drawn per run from
-  [UID_BASE, UID_BASE + UID_SPAN), no groups, owning only the run's directory. RLIMIT_NPROC counts processes per
-  uid, so a fresh uid makes the limit count this run's processes alone (the root's own count is in the hundreds
-  and shared with every other job on the machine), and after the run a reaper of that uid kills every process it
+- "uid": run as root (as in our containers), the launcher drops to a fresh uid drawn per run from [UID_BASE,
+  UID_BASE + UID_SPAN), no groups, owning only the run's directory. RLIMIT_NPROC counts processes per uid, so
+  a fresh uid makes the limit count this run's processes alone (the root's own count is in the hundreds and
+  shared with every other job on the machine), and after the run a reaper of that uid kills every process it
   left (`kill(-1)` as that uid, which also catches a child that left the process group).
 - "network": an empty network namespace (only a down loopback: even 127.0.0.1 is unreachable).
-- "filesystem": a private mount namespace in which the run's directory is a fresh tmpfs of WORKSPACE_BYTES (what
-  the program writes is bounded, and goes with the namespace) and every other mount is read-only, so the
+- "filesystem": a private mount namespace in which the run's directory is a fresh tmpfs of WORKSPACE_BYTES
+  (what the program writes is bounded, and goes with the namespace) and every other mount is read-only, so the
   world-writable /tmp, /var/tmp and /dev/shm are closed too. When the interpreter lies under a directory other
   users may not enter (a pyenv under /root), that directory is covered by a tmpfs holding only a bind of the
   interpreter's prefix: the program sees the interpreter, not the rest of /root.
-As root the namespaces are made with the launcher's own capabilities before it drops the uid; otherwise (or when
-that is refused) it creates a user namespace mapping only its own uid and makes them inside it. A layer the
-platform refuses is left out and its reason is in RunResult.detail: without "uid" (not root) RLIMIT_NPROC is set
-relative to the processes this user already runs, only the process group is killed afterwards, and the program
-may signal this user's other processes (a pid namespace would stop that: not built, root has the fresh uid);
-without "filesystem" the run's directory is on the disk (files of FILE_BYTES at most, but not their number).
+As root the namespaces are made with the launcher's own capabilities before it drops the uid; otherwise (or
+when that is refused) it creates a user namespace mapping only its own uid and makes them inside it. A layer
+the platform refuses is left out and its reason is in RunResult.detail: without "uid" (not root) RLIMIT_NPROC
+is set relative to the processes this user already runs, only the process group is killed afterwards, and the
+program may signal this user's other processes (a pid namespace would stop that: not built, root has the fresh
+uid); without "filesystem" the run's directory is on the disk (files of FILE_BYTES at most, but not their
+number).
 
-Resource limits (setrlimit in the launcher, inherited by the program): CPU seconds (the timeout rounded up, plus
-one), address space MEMORY_BYTES, file size FILE_BYTES, PROCESSES processes, OPEN_FILES descriptors, no core
-files; the program runs at nice 10 with no_new_privs (no setuid binary gives privileges back) and a parent-death
-SIGKILL. Memory is per process: the worst a forking program can hold is PROCESSES x MEMORY_BYTES (8 GiB).
-Orphaned zombies are reaped by the machine's init, whenever it gets to them."""
+Resource limits (setrlimit in the launcher, inherited by the program): CPU seconds (the timeout rounded up,
+plus one), address space MEMORY_BYTES, file size FILE_BYTES, PROCESSES processes, OPEN_FILES descriptors, no
+core files; the program runs at nice 10 with no_new_privs (no setuid binary gives privileges back) and a
+parent-death SIGKILL. Memory is per process: the worst a forking program can hold is PROCESSES x MEMORY_BYTES
+(8 GiB). Orphaned zombies are reaped by the machine's init, whenever it gets to them."""
 
 from __future__ import annotations
 
@@ -117,8 +119,8 @@ def _check_arguments(
 def _run_in(
     top: Path, source: str, language: str, args: list[str], stdin: str, timeout_s: float, bash: str | None
 ) -> RunResult:
-    """Run in `top`, the run's directory: run/ is the program's cwd and HOME, tmp/ its TMPDIR, and nothing else
-    is writable by its uid."""
+    """Run in `top`, the run's directory: run/ is the program's cwd and HOME, tmp/ its TMPDIR, and nothing
+    else is writable by its uid."""
     run, tmp = top / "run", top / "tmp"
     run.mkdir()
     tmp.mkdir()
@@ -450,8 +452,9 @@ def _private_mounts(libc: ctypes.CDLL) -> None:
 
 
 def _expose(libc: ctypes.CDLL, expose: list[str] | None) -> None:
-    """Make the interpreter's prefix reachable by the unprivileged uid in this namespace only: a tmpfs over the
-    directory it may not enter (hiding the rest of it, /root say), holding a bind of the prefix at its path."""
+    """Make the interpreter's prefix reachable by the unprivileged uid in this namespace only: a tmpfs over
+    the directory it may not enter (hiding the rest of it, /root say), holding a bind of the prefix at its
+    path."""
     if not expose:
         return
     hidden, prefix = expose
@@ -468,9 +471,9 @@ def _expose(libc: ctypes.CDLL, expose: list[str] | None) -> None:
 
 
 def _workspace(libc: ctypes.CDLL, spec: dict, owner: int, isolation: list[str], notes: list[str]) -> None:
-    """In this (new, private) mount namespace: put the run's directory on a fresh tmpfs of WORKSPACE_BYTES (what
-    the program writes is bounded in bytes and files, and goes with the namespace), then make every other mount
-    read-only."""
+    """In this (new, private) mount namespace: put the run's directory on a fresh tmpfs of WORKSPACE_BYTES
+    (what the program writes is bounded in bytes and files, and goes with the namespace), then make every
+    other mount read-only."""
     top = spec["top"]
     run = Path(top, "run")
     scripts = {p.name: p.read_bytes() for p in run.iterdir()}
