@@ -16,10 +16,11 @@ from typing import Any
 from diffgemma.census import analyze
 from diffgemma.census.arms import Arm
 from diffgemma.census.batteries import Battery, Item
-from diffgemma.census.checks import Reply, grade
+from diffgemma.census.checks import Grade, Reply, grade
 from diffgemma.census.metrics import trace_counts
 from diffgemma.census.trace import TraceRecorder
 from diffgemma.config import ConfigError
+from diffgemma.engine.engine import ContextOverflow
 
 RECORDS, CAMPAIGN, SUMMARY, TABLE = "records.jsonl", "campaign.json", "summary.json", "summary.txt"
 
@@ -62,7 +63,7 @@ def arm_model(plan: Plan, arm: Arm, say: Callable[[str], None]) -> Path:
 def run(plan: Plan, say: Callable[[str], None] = _say) -> dict[str, Any]:
     """Run the campaign; returns its summary (also written to the output directory)."""
     import diffgemma
-    from diffgemma.config import load_runtime_config
+    from diffgemma.config import CHAT_CONTEXT, ModelConfig, load_runtime_config
 
     check_out(plan.out)
     plan.out.mkdir(parents=True, exist_ok=True)
@@ -84,7 +85,8 @@ def run(plan: Plan, say: Callable[[str], None] = _say) -> dict[str, Any]:
             if key != loaded:  # arms that differ in sampler settings only share one loaded model
                 engine = None  # the last arm's model is freed before the next one loads
                 runtime = load_runtime_config({**os.environ, **arm.env})
-                engine, loaded = diffgemma.load(path, runtime=runtime), key
+                ctx = ModelConfig.from_dir(path).context(None, CHAT_CONTEXT)  # `chat`'s: room for longctx
+                engine, loaded = diffgemma.load(path, max_tokens=ctx, runtime=runtime), key
                 say(f"arm {arm.name}: loaded {path} ({engine.model.device}, {engine.model.dtype})")
             sampler = engine.sampler.replace(**arm.sampler)
             for battery in plan.batteries:
@@ -115,20 +117,25 @@ def reply_record(engine: Any, sampler: Any, item: Item, seed: int) -> dict[str, 
     recorder = TraceRecorder()
     if item.schema is not None:
         got = engine.score(item.schema, item.state, seed=seed)["answers"]
-        reply = Reply(labels={qid: a["label"] for qid, a in got.items()})
-        finish = "scored"
+        reply = Reply(labels={qid: a["label"] for qid, a in got.items()}, finish_reason="scored")
+        g = grade(item.checks, reply)
     else:
-        out = engine.generate(
-            item.prompt, max_new_tokens=item.max_tokens, seed=seed, on_step=recorder.on_step,
-            on_block=recorder.on_block, sampler=sampler, think=item.think, tools=item.tools,
-        )  # fmt: skip
-        calls = [(c.name, c.arguments) for c in out.tool_calls]
-        reply = Reply(out.text, out.reasoning, calls, out.finish_reason)
-        finish = out.finish_reason
-    g = grade(item.checks, reply)
-    pad = (
-        engine.tokenizer.pad_id if engine.tokenizer is not None and engine.tokenizer.pad_id is not None else 0
-    )
+        ids = engine.prompt_ids(item.prompt, think=item.think, tools=item.tools)
+        try:
+            if len(ids) + 1 > engine.max_tokens:
+                raise ContextOverflow(f"a prompt of {len(ids)} tokens in a context of {engine.max_tokens}")
+            out = engine.generate(
+                ids, max_new_tokens=item.max_tokens, seed=seed, on_step=recorder.on_step,
+                on_block=recorder.on_block, sampler=sampler,
+            )  # fmt: skip
+        except ContextOverflow as e:  # the model's size, not the campaign's failure: an outcome of its own
+            reply, g = Reply(finish_reason="none"), Grade(False, "over_context", str(e))
+        else:
+            calls = [(c.name, c.arguments) for c in out.tool_calls]
+            reply = Reply(out.text, out.reasoning, calls, out.finish_reason)
+            g = grade(item.checks, reply)
+    tok = engine.tokenizer
+    pad = tok.pad_id if tok is not None and tok.pad_id is not None else 0
     return {
         "id": item.id,
         "seed": seed,
@@ -137,7 +144,7 @@ def reply_record(engine: Any, sampler: Any, item: Item, seed: int) -> dict[str, 
         "detail": g.detail,
         **g.extra,
         "text": reply.text,
-        "finish_reason": finish,
+        "finish_reason": reply.finish_reason,
         **trace_counts(recorder.trace, pad),
         "seconds": round(time.perf_counter() - t0, 4),
         "cpu_seconds": round(time.process_time() - c0, 4),
