@@ -9,14 +9,14 @@ from diffgemma.census.arms import Arm
 from diffgemma.census.arms import read as read_arms
 from diffgemma.census.batteries import Battery
 from diffgemma.census.batteries import load as load_battery
-from diffgemma.census.campaign import Plan, run
+from diffgemma.census.campaign import Campaign, run
 from diffgemma.census.gate import failures as gate_failures
 from diffgemma.census.gate import read as read_gate
 
 __all__ = [
     "Arm",
     "Battery",
-    "Plan",
+    "Campaign",
     "gate_failures",
     "load_battery",
     "read_arms",

@@ -26,7 +26,7 @@ RECORDS, CAMPAIGN, SUMMARY, TABLE = "records.jsonl", "campaign.json", "summary.j
 
 
 @dataclass
-class Plan:
+class Campaign:
     arms: list[Arm]
     batteries: list[Battery]
     seeds: list[int]
@@ -46,7 +46,7 @@ def check_out(out: Path) -> None:
         raise ConfigError(f"--out {out} holds a campaign already ({RECORDS}): pass a new directory")
 
 
-def arm_model(plan: Plan, arm: Arm, say: Callable[[str], None]) -> Path:
+def arm_model(plan: Campaign, arm: Arm, say: Callable[[str], None]) -> Path:
     """The directory the arm runs: its model, or the pack of it its `quantize` names (written on first use)."""
     model = arm.model or plan.model
     if arm.quantize is None:
@@ -60,7 +60,7 @@ def arm_model(plan: Plan, arm: Arm, say: Callable[[str], None]) -> Path:
     return pack
 
 
-def run(plan: Plan, say: Callable[[str], None] = _say) -> dict[str, Any]:
+def run(plan: Campaign, say: Callable[[str], None] = _say) -> dict[str, Any]:
     """Run the campaign; returns its summary (also written to the output directory)."""
     import diffgemma
     from diffgemma.config import CHAT_CONTEXT, ModelConfig, load_runtime_config

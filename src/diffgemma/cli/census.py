@@ -54,7 +54,7 @@ def census(
                 raise CliError("--out DIR is needed (the campaign's directory)", 2)
             if not battery:
                 raise CliError(f"no --battery given (bundled: {', '.join(B.bundled_names())}; or a path)", 2)
-            plan = campaign.Plan(
+            plan = campaign.Campaign(
                 arms=arms_mod.read(arms_file) if arms_file is not None else [arms_mod.default_arm()],
                 batteries=[B.load(name) for name in battery],
                 seeds=_seeds(seeds),
