@@ -135,12 +135,13 @@ def table(summary: dict[str, Any]) -> str:
             text = f"{value:.4g}"
             if i and ci is not None and summary["vs_first"][arm].get("pairs"):
                 d = summary["vs_first"][arm][ci]
-                text += f" {d['diff']:+.3g} [{d['lo']:+.3g}, {d['hi']:+.3g}]"
+                same = d["diff"] == d["lo"] == d["hi"] == 0
+                text += " (=)" if same else f" {d['diff']:+.3g} [{d['lo']:+.3g}, {d['hi']:+.3g}]"
             cells.append(f"{text:>30}" if i else f"{text:>10}")
         lines.append("".join(cells))
     lines.append(
-        f"(differences vs {arms[0]}, paired on battery x item x seed, 95% bootstrap interval of "
-        f"{BOOTSTRAP_RESAMPLES} resamples)"
+        f"(difference from {arms[0]} [95% paired bootstrap interval over battery x item x seed, "
+        f"{BOOTSTRAP_RESAMPLES} resamples]; (=): zero in every resample)"
     )
     return "\n".join(lines) + "\n"
 

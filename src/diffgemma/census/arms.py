@@ -58,9 +58,18 @@ def default_arm() -> Arm:
     return Arm("base")
 
 
+def resolve(name: str) -> Path:
+    """An arms file by path, or a bundled one by NAME (`assets/batteries/NAME_arms.json`: `demo`)."""
+    from diffgemma.census.batteries import bundled_dir
+
+    bundled = bundled_dir() / f"{name}_arms.json"
+    return bundled if not Path(name).exists() and "/" not in name and bundled.is_file() else Path(name)
+
+
 def read(path: str | Path) -> list[Arm]:
-    """Parse and check an arms file (ConfigError in one line naming the file, the arm and what is wrong)."""
-    path = Path(path)
+    """Parse and check an arms file, a path or a bundled NAME (ConfigError in one line naming the file, the arm
+    and what is wrong)."""
+    path = resolve(str(path))
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:

@@ -11,10 +11,10 @@ from diffgemma.cli.options import MODEL, CliError, one_line_errors
 
 
 def census(
-    arms_file: Path | None = typer.Option(
+    arms_file: str | None = typer.Option(
         None,
         "--arms",
-        help="Arms file: JSON list or JSONL of {name, env, model, quantize} (default: one arm).",
+        help="Arms file (JSON list or JSONL of {name, env, model, quantize}) or `demo` (default: one arm).",
     ),
     battery: list[str] = typer.Option(
         [],
