@@ -64,6 +64,12 @@ def test_a_bad_arm_is_refused_naming_it(tmp_path, arm, message):
     assert message in str(e.value) and f"arm {arm['name']!r}" in str(e.value)
 
 
+def test_the_bundled_demo_arms_compare_the_packs_and_the_sampler_levers():
+    arms = A.read("demo")
+    assert [(a.name, a.quantize) for a in arms[:3]] == [("bf16", None), ("int4", "int4"), ("fp8", "fp8")]
+    assert [a.sampler for a in arms[3:]] == [{"sc_sparse": False}, {"entropy_stop": 0.0}]
+
+
 def test_names_must_be_unique_and_well_formed(tmp_path):
     with pytest.raises(ConfigError, match="used twice"):
         A.read(_write(tmp_path, [{"name": "a"}, {"name": "a"}]))

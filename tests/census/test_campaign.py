@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from diffgemma.census import analyze as A
+from diffgemma.census import batteries as B
 
 ITEMS = [
     {"id": "add", "prompt": "What is 17 + 25?", "check": {"kind": "exact", "value": "17 + 25 = 42"}},
@@ -20,6 +21,10 @@ ITEMS = [
         "prompt": "Compute 40 - 7.",
         "check": [{"kind": "contains", "value": "33"}, {"kind": "stopped"}],
     },
+    # a question schema, answered by scored reads: no denoise trace, a pass or not
+    next(json.loads(line) for line in B.resolve("demo").read_text().splitlines() if '"schema-1"' in line),
+    # ~16k tokens of the demo's tokenizer, beyond its 8,192 positions: an outcome, not a crash
+    {"id": "far", "longctx": {"words": 6000, "depth": 0.5, "seed": 1}},
 ]
 
 
@@ -58,18 +63,25 @@ def test_the_campaign_writes_records_and_a_summary_and_its_gate_fails_on_the_bro
     assert p.stderr.splitlines()[-1] == (
         "diffgemma: error: gate failed: arm 'broken': steps_per_block 1 is below the minimum 1.5"
     )
-    assert "[8/8] arm broken" in p.stderr  # progress as it ran
+    assert "[16/16] arm broken" in p.stderr  # progress as it ran
     records = [json.loads(line) for line in (d / "run" / "records.jsonl").read_text().splitlines()]
     assert [(r["arm"], r["id"], r["seed"]) for r in records] == [
-        (arm, i, s) for arm in ("base", "broken") for s in (0, 1) for i in ("add", "sub")
+        (arm, i, s) for arm in ("base", "broken") for s in (0, 1) for i in ("add", "sub", "schema-1", "far")
     ]
     base = records[0]
     assert (
         base["passed"] and base["outcome"] == "pass" and base["text"] == "17 + 25 = 42" and base["tokens"] > 0
     )
     assert all(r["steps_committed"] == r["blocks"] for r in records if r["arm"] == "broken")
+    far = [r for r in records if r["id"] == "far"]
+    assert all(r["outcome"] == "over_context" and "context of 8192" in r["detail"] for r in far)
+    scored = [r for r in records if r["id"] == "schema-1"]
+    assert all(
+        r["finish_reason"] == "scored" and r["tokens"] == 0 and r["outcome"] in ("pass", "fail")
+        for r in scored
+    )
     summary = json.loads((d / "run" / "summary.json").read_text())
-    assert summary["per_arm"]["base"]["overall"]["n"] == 4 and summary["vs_first"]["broken"]["pairs"] == 4
+    assert summary["per_arm"]["base"]["overall"]["n"] == 8 and summary["vs_first"]["broken"]["pairs"] == 8
     assert summary["per_arm"]["broken"]["overall"]["steps_per_block"] == 1.0
     assert (d / "run" / "summary.txt").read_text() in p.stdout
 

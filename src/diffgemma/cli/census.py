@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from diffgemma.cli.options import MODEL, CliError, one_line_errors
+from diffgemma.cli.options import CliError, one_line_errors
 
 
 def census(
@@ -32,7 +32,12 @@ def census(
     analyze: Path | None = typer.Option(
         None, "--analyze", help="Re-report this campaign directory, no model."
     ),
-    model: str | None = MODEL,
+    model: str | None = typer.Option(
+        None,
+        "-m",
+        "--model",
+        help="Model directory or HF repo id of arms that name none (default: the demo).",
+    ),
 ) -> None:
     """Run every arm over every battery and seed, writing per-reply records and a summary to --out; or re-report a
     campaign with --analyze. Every input is checked before any model loads."""
