@@ -102,3 +102,20 @@ def test_the_cli_refuses_a_typod_arm_in_one_line_before_loading(tmp_path):
     assert (
         "DIFFGEMMA_ENTROPY_STOPP" in lines[0] and not out.exists()
     )  # nothing ran: no directory, no model line
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--battery", "demo", "--battery", "demo"], "two batteries of one name"),
+        (["--battery", "demo", "--seeds", "1,x"], "--seeds must be comma-separated integers"),
+    ],
+)
+def test_the_cli_refuses_bad_usage_before_loading(tmp_path, args, message):
+    out = tmp_path / "campaign"
+    p = subprocess.run(
+        [sys.executable, "-m", "diffgemma.cli", "census", *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and message in p.stderr and not out.exists()

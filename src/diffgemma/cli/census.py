@@ -66,6 +66,9 @@ def census(
                 model=_model(model),
                 out=out,
             )
+            names = [b.name for b in plan.batteries]
+            if len(set(names)) != len(names):
+                raise CliError(f"two batteries of one name in {names}: the summary keys them by name", 2)
             campaign.check_out(out)
             summary = campaign.run(plan)
         sys.stdout.write(A.table(summary))
