@@ -20,6 +20,7 @@ LAYER = {
     "server": 8,
     "bench": 8,
     "train": 8,
+    "census": 8,  # campaigns of arms over batteries, through `diffgemma.load`
     "__init__": 7,
     "session": 6,
     "engine": 5,

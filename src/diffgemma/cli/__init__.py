@@ -1,6 +1,6 @@
 """The `diffgemma` command line (typer): ask, chat, prompt, serve, score, replay, golden, download, quantize,
-repack, bench, train, eval. Each command's typer signature (its `--help`) lives in a module of this package by topic;
-the work each command does lives in its own module elsewhere."""
+repack, bench, train, eval, census. Each command's typer signature (its `--help`) lives in a module of this package
+by topic; the work each command does lives in its own module elsewhere."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 import typer
 
 from diffgemma.cli.benchmark import bench
+from diffgemma.cli.census import census
 from diffgemma.cli.oplog import golden, replay
 from diffgemma.cli.options import _NO_ARGS_IS_HELP, _USAGE_ERROR
 from diffgemma.cli.questions import score
@@ -18,7 +19,7 @@ from diffgemma.cli.training import eval_, train
 from diffgemma.cli.weights import download, quantize, repack
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="DiffusionGemma inference engine.")
-for command in (ask, chat, prompt, serve, score, replay, golden, download, quantize, repack, bench, train):
+for command in (ask, chat, prompt, serve, score, replay, golden, download, quantize, repack, bench, train, census):
     app.command()(command)
 app.command("eval")(eval_)
 

@@ -45,6 +45,9 @@ class StepInfo:
     accepted: torch.Tensor  # [C] bool on device
     mean_entropy: torch.Tensor  # 0-d on device
     entropy: torch.Tensor  # [C] on device: each row's, at the step's temperature
+    # [C] on device: each row's largest probability at the step's temperature (the row pass computed it already;
+    # at a block's last step, the confidence of each row's committed token: the census reads it)
+    p_max: torch.Tensor | None = None
 
 
 @dataclass
@@ -164,7 +167,9 @@ class Canvas:
         self.ids = torch.where(mask, denoised, self.noise[i + 1])  # renoise every non-accepted row
         stop = self.stops.update(i + 1, stats.argmax, stats.entropy, mask)
         self.i = i + 1
-        info = StepInfo(self.block, i + 1, temp, stats.argmax, mask, stats.entropy.mean(), stats.entropy)
+        info = StepInfo(
+            self.block, i + 1, temp, stats.argmax, mask, stats.entropy.mean(), stats.entropy, stats.p_max
+        )
         return info, stop
 
     def settle(self, stop: bool, logits: torch.Tensor) -> None:
