@@ -19,7 +19,21 @@ from diffgemma.cli.training import eval_, train
 from diffgemma.cli.weights import download, quantize, repack
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="DiffusionGemma inference engine.")
-for command in (ask, chat, prompt, serve, score, replay, golden, download, quantize, repack, bench, train, census):
+for command in (
+    ask,
+    chat,
+    prompt,
+    serve,
+    score,
+    replay,
+    golden,
+    download,
+    quantize,
+    repack,
+    bench,
+    train,
+    census,
+):
     app.command()(command)
 app.command("eval")(eval_)
 
