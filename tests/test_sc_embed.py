@@ -41,7 +41,7 @@ def _check_sc_embed() -> None:
     g = torch.Generator().manual_seed(0)
     cap = 32
     # (vocab, hidden, tiles, splits): a K tail and ragged H blocks; then every K and N block whole
-    cases = ((3000, 40, se.Tiles(16, 16, 32, 4, 2), 3), (2048, 48, se.Tiles(16, 16, 32, 4, 2), 4))
+    cases = ((3000, 40, se.DenseTiles(16, 16, 32, 4, 2), 3), (2048, 48, se.DenseTiles(16, 16, 32, 4, 2), 4))
     for v, h, tiles, splits in cases:
         probs = sparse_rows(11, v, cap, g)
         embed = torch.randn(v, h, generator=g)

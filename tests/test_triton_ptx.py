@@ -194,13 +194,21 @@ def _sc_embed_ptx(kernel: str, options: dict) -> str:
     else:
         fn = se._dense_rows_kernel
         t = se.TILES
-        sig = {"p_ptr": "*bf16", "e_ptr": "*bf16", "rows_ptr": "*i32", "n_over_ptr": "*i32", "part_ptr": "*fp32"}
+        sig = {
+            "p_ptr": "*bf16",
+            "e_ptr": "*bf16",
+            "rows_ptr": "*i32",
+            "n_over_ptr": "*i32",
+            "part_ptr": "*fp32",
+        }
         sig.update(dict.fromkeys(("n_rows", "n_cols", "H", "stride_p", "stride_e"), "i32"))
         consts = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, ITERS=1366, EVEN_K=False)
         consts.update(EVEN_N=True, UPCAST_DOT=False)
         options = {"num_warps": t.num_warps, "num_stages": t.num_stages, **options}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in sig if n not in ("H",)}
-    src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts, attrs=attrs)
+    src = ASTSource(
+        fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts, attrs=attrs
+    )
     try:
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     except (ImportError, KeyError, RuntimeError) as e:

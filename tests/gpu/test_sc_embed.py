@@ -40,6 +40,15 @@ def within_one_rounding(got: torch.Tensor, probs: torch.Tensor, embed: torch.Ten
     assert bool(((got.float() - exact).abs() <= exact.abs() * 2**-8 + scale * 2**-20).all())
 
 
+def near_gemm(got: torch.Tensor, probs: torch.Tensor, embed: torch.Tensor) -> None:
+    """got against today's cuBLAS GEMM: two roundings apart (2^-7 relative), plus the GEMM's own split-K,
+    whose partial sums cuBLAS may round to bf16 (torch's default reduced-precision reduction): 2^-8 of the sum
+    of |terms|."""
+    gemm = probs @ embed
+    scale = probs.float().abs() @ embed.float().abs()
+    assert bool(((got.float() - gemm.float()).abs() <= gemm.float().abs() * 2**-7 + scale * 2**-8).all())
+
+
 @pytest.fixture(scope="module")
 def embed() -> torch.Tensor:
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -57,9 +66,7 @@ def test_peaked_rows_gather_as_the_twin_and_the_gemm(embed):
     assert int((~gather).sum()) == 4
     assert torch.equal(got[gather], want[gather])
     within_one_rounding(got, probs, embed)
-    gemm = probs @ embed  # today's masked GEMM (cuBLAS)
-    within_one_rounding(gemm, probs, embed)
-    assert float((got == gemm).float().mean()) > 0.99  # most elements round alike
+    near_gemm(got, probs, embed)
     assert torch.equal(library.soft_embedding(probs, embed), got)  # deterministic
 
 
@@ -70,7 +77,7 @@ def test_flat_rows_take_the_dense_rows_gemm(embed, n):
     probs = torch.softmax(logits, dim=-1).bfloat16()
     got = library.soft_embedding(probs, embed)
     within_one_rounding(got[:256], probs[:256], embed)
-    torch.testing.assert_close(got.float(), (probs @ embed).float(), rtol=2**-7, atol=1e-6)
+    near_gemm(got, probs, embed)
 
 
 def test_graph_replays_equal_eager_calls(embed):

@@ -42,7 +42,7 @@ SMS = 132  # an H100 / H200 SXM: the dense rows' split fills about one wave at t
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}  # the gather's products rounded before their add, as the twin's
 
 
-class Tiles(NamedTuple):
+class DenseTiles(NamedTuple):
     """The dense rows' GEMM tiles."""
 
     block_m: int = 128
@@ -52,7 +52,7 @@ class Tiles(NamedTuple):
     num_stages: int = 4
 
 
-TILES = Tiles()
+TILES = DenseTiles()
 
 # The interpreter multiplies bf16 operands of tl.dot as their raw bits: there they go to the dot as fp32.
 _UPCAST_DOT = INTERPRET
@@ -195,7 +195,7 @@ def _dense_rows_kernel(
                 k_ok = k < n_cols
                 a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if UPCAST_DOT:
+            if UPCAST_DOT:  # noqa: SIM108 - a constexpr branch: one side traced
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
             else:
                 acc = tl.dot(a, b, acc)
@@ -221,7 +221,7 @@ def _reduce_kernel(
         tl.store(out_ptr + row.to(tl.int64) * stride_o + h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
-def splits_for(n_rows: int, h: int, v: int, tiles: Tiles = TILES) -> int:
+def splits_for(n_rows: int, h: int, v: int, tiles: DenseTiles = TILES) -> int:
     """The dense rows' split of the vocabulary: about one wave of programs when every row overflows, fixed by
     the shapes alone (never by the data), so a row's sums do not depend on how many rows overflow."""
     tiles_mn = triton.cdiv(n_rows, tiles.block_m) * triton.cdiv(h, tiles.block_n)
@@ -248,7 +248,7 @@ def soft_embedding(
     embed: torch.Tensor,
     cap: int = CAP,
     chunks: int = CHUNKS,
-    tiles: Tiles = TILES,
+    tiles: DenseTiles = TILES,
     splits: int | None = None,
 ) -> torch.Tensor:
     """probs [N, V] @ embed [V, H] in embed's dtype (probs cast to it first, as the GEMM they replace): rows of
