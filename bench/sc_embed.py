@@ -21,6 +21,7 @@ flat and peaked SC inputs. Kernel timings: a CUDA graph of 10 calls, the median 
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import sys
 import types
@@ -183,6 +184,8 @@ def main() -> None:
     ap.add_argument("--step", action="store_true", help="also the whole denoise step, gather against GEMM")
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
+    # ended by a time limit: what was measured is still written
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     g = torch.Generator(device="cuda").manual_seed(0)
     res: dict = {"device": torch.cuda.get_device_name(), "cap": se.CAP, "tiles": tuple(se.TILES)}
     res.update(kernels={}, dense_tiles={}, step_ms={})
