@@ -76,11 +76,13 @@ def _survivors_kernel(
         ok = start + cols < end
         x = tl.load(p_row + start + cols, mask=ok, other=0.0)
         keep = (x != 0).to(tl.int32)
-        pos = n + tl.cumsum(keep, axis=0) - 1
-        put = (keep != 0) & (pos < CAP)
-        tl.store(idx_ptr + slot + pos, start + cols, mask=put)
-        tl.store(val_ptr + slot + pos, x, mask=put)
-        n += tl.sum(keep, axis=0)
+        k = tl.sum(keep, axis=0)
+        if (k > 0) & (n < CAP):  # a peaked row's blocks are nearly all zero; a flat row's fill CAP at once
+            pos = n + tl.cumsum(keep, axis=0) - 1
+            put = (keep != 0) & (pos < CAP)
+            tl.store(idx_ptr + slot + pos, start + cols, mask=put)
+            tl.store(val_ptr + slot + pos, x, mask=put)
+        n += k
         start += BLOCK
     tl.store(count_ptr + row * n_chunks + chunk, n)
 
