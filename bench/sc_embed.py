@@ -143,7 +143,7 @@ def step(res: dict, g: torch.Generator, rounds: int) -> None:
     from diffgemma.runner.runner import ModelRunner
 
     model = random_model(REAL_CONFIG, "cuda", torch.bfloat16, init="hf")
-    runner = ModelRunner(model, RuntimeConfig(device="cuda", dtype="bfloat16"))
+    runner = ModelRunner(model, RuntimeConfig(device="cuda", dtype="bfloat16", sc_gather=True))
     cpu = torch.Generator().manual_seed(5)
     c = model.cfg.canvas_length
     ids = torch.randint(0, V, (1, 1024), generator=cpu)

@@ -108,6 +108,7 @@ def test_cpu_steps_keep_the_gemm_bit_for_bit():
     want = probs.to(torch.bfloat16) @ embed
     assert torch.equal(Steps().soft_embedding(probs, embed), want)
     assert torch.equal(FastSteps(compile=False).soft_embedding(probs, embed), want)
+    assert torch.equal(FastSteps(compile=False, sc_gather=True).soft_embedding(probs, embed), want)
     assert torch.equal(library.soft_embedding(probs, embed), want)
 
 
@@ -127,3 +128,16 @@ def test_exact_soft_embedding_is_unchanged(tiny_a):
     for steps in (Steps(), FastSteps(compile=False)):
         model.steps = steps
         assert torch.equal(model.soft_embedding(probs, exact=True), acc.to(torch.bfloat16))
+
+
+def test_sc_gather_is_a_runtime_switch_off_by_default(tiny_a):
+    from diffgemma.config import RuntimeConfig, load_runtime_config
+    from diffgemma.runner.runner import ModelRunner
+    from diffgemma.weights.loader import load_model
+
+    assert RuntimeConfig().sc_gather is False
+    assert load_runtime_config({"DIFFGEMMA_SC_GATHER": "1"}).sc_gather is True
+    model = load_model(tiny_a, "cpu", torch.bfloat16)
+    for on in (False, True):
+        ModelRunner(model, RuntimeConfig(kernels="fast", compile=False, sc_gather=on))
+        assert model.steps.sc_gather is on

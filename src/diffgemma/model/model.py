@@ -265,8 +265,8 @@ class DiffusionGemma(nn.Module):
 
     def soft_embedding(self, probs: torch.Tensor, exact: bool = False) -> torch.Tensor:
         """probs [N, V] @ embed, in the embedding's dtype. By default the steps' (`Steps.soft_embedding`: one GEMM on
-        the probabilities cast to that dtype, as transformers computes it; the fast steps gather a sparse SC input's
-        survivors on CUDA). `exact` (the sampler's sc_sparse=False, seed §5): fp32 probabilities times
+        the probabilities cast to that dtype, as transformers computes it; the fast steps with `sc_gather` gather a
+        sparse SC input's survivors on CUDA). `exact` (the sampler's sc_sparse=False, seed §5): fp32 probabilities times
         the embedding widened to fp32 a vocabulary chunk at a time (`SC_VOCAB_CHUNK` rows, so no fp32 copy of the
         whole table), accumulated in fp32 and rounded once."""
         e = self.embed

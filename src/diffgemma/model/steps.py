@@ -204,8 +204,9 @@ class FastSteps(Steps):
 
     fast = True
 
-    def __init__(self, compile: bool = True, topk: bool = False) -> None:
+    def __init__(self, compile: bool = True, topk: bool = False, sc_gather: bool = False) -> None:
         super().__init__(topk=topk)
+        self.sc_gather = sc_gather  # the SC soft embedding's survivor gather (`RuntimeConfig.sc_gather`)
         self.regions = regions.make_regions(enabled=compile)  # fixed shapes: the denoise step
         self.prefill_regions = regions.make_regions(enabled=compile, dynamic=True)  # any token count
         self._side: dict[torch.device, torch.cuda.Stream] = {}
@@ -232,8 +233,11 @@ class FastSteps(Steps):
         return super().linear(x, w)
 
     def soft_embedding(self, probs, embed):
-        """The survivor gather on CUDA (`library.soft_embedding`): the reference's GEMM up to summation order."""
-        return library.soft_embedding(probs, embed)
+        """With `sc_gather`, the survivor gather on CUDA (`library.soft_embedding`): the reference's GEMM up to
+        summation order; else the GEMM."""
+        return (
+            library.soft_embedding(probs, embed) if self.sc_gather else super().soft_embedding(probs, embed)
+        )
 
     # -- attention half -----------------------------------------------------------------------------------
 
