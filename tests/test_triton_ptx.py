@@ -176,3 +176,56 @@ def test_int4_experts_dequantize_in_bf16_pairs_under_bf16():
     assert not re.search(r"\bor\.b32\s+%r\d+, %r\d+, 1258291200;", ptx)  # 0x4B000000: the fp32 path's bias
     fp16 = _int4_gate_up_ptx("fp16")
     assert not re.search(r"fma\.rn\.bf16x2", fp16) and "1258291200" in fp16
+
+
+def _sc_embed_ptx(kernel: str, options: dict) -> str:
+    """An SC survivor-gather kernel (kernels/triton_sc_embed.py) for sm_90 at the real shape, its pointers and
+    strides divisible by 16 as Triton specializes them at launch (262,144 and 2,816)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from diffgemma.kernels import triton_sc_embed as se
+
+    if kernel == "gather":
+        fn = se._gather_kernel
+        sig = {"idx_ptr": "*i32", "val_ptr": "*bf16", "count_ptr": "*i32", "total_ptr": "*i32"}
+        sig.update(e_ptr="*bf16", out_ptr="*bf16", H="i32", stride_e="i32", stride_o="i32")
+        consts = {"CAP": se.CAP, "CHUNKS": se.CHUNKS, "BLOCK_H": se.GATHER_BLOCK_H, "UNROLL": se.UNROLL}
+    else:
+        fn = se._dense_rows_kernel
+        t = se.TILES
+        sig = {
+            "p_ptr": "*bf16",
+            "e_ptr": "*bf16",
+            "rows_ptr": "*i32",
+            "n_over_ptr": "*i32",
+            "part_ptr": "*fp32",
+        }
+        sig.update(dict.fromkeys(("n_rows", "n_cols", "H", "stride_p", "stride_e"), "i32"))
+        consts = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, ITERS=1366, EVEN_K=False)
+        consts.update(EVEN_N=True, UPCAST_DOT=False)
+        options = {"num_warps": t.num_warps, "num_stages": t.num_stages, **options}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in sig if n not in ("H",)}
+    src = ASTSource(
+        fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts, attrs=attrs
+    )
+    try:
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    except (ImportError, KeyError, RuntimeError) as e:
+        pytest.skip(f"cannot compile for sm_90 here: {type(e).__name__}: {e}")
+    return kernel.asm["ptx"]
+
+
+def test_sc_gather_rounds_each_product_before_the_add():
+    # the gather sums its survivors as torch_ref.soft_embedding_survivors does: mul.rn, then add.rn
+    from diffgemma.kernels import triton_sc_embed as se
+
+    assert re.search(r"\bfma\.", _sc_embed_ptx("gather", {"num_warps": 1}))
+    ptx = _sc_embed_ptx("gather", {"num_warps": 1, **se.LAUNCH_OPTIONS})
+    assert not re.search(r"\bfma\.", ptx) and re.search(r"mul\.(rn\.)?f32", ptx)
+
+
+def test_sc_dense_rows_pipeline_onto_wgmma():
+    # the overflow rows' GEMM: operands through cp.async into shared memory, multiplied on wgmma
+    ptx = _sc_embed_ptx("dense", {})
+    assert "wgmma.mma_async" in ptx and "cp.async" in ptx

@@ -369,6 +369,9 @@ class RuntimeConfig:
     # the seed's top-k sparse full-layer attention (`torch_ref.attention_topk`; on the fast kernels
     # kernels/triton_topk.py): off until its speed and effect are measured (docs/performance.md, "Top-k attention")
     attention_topk: bool = False
+    # the SC soft embedding as the seed's survivor gather (kernels/triton_sc_embed.py, CUDA): off while rows that
+    # overflow its cap cost more than the GEMM (docs/performance.md, "The SC soft embedding as a survivor gather")
+    sc_gather: bool = False
     threads: int | None = None  # CPU threads (None: one for a small model, else torch's default)
     # ranks that share each layer's experts (`runner.parallel`; launched by torchrun, one process a GPU); 1: none
     expert_parallel: int = 1

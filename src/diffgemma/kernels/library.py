@@ -516,3 +516,21 @@ def attention_causal_scores(
             qb, kb, vb, out[s:e].permute(1, 2, 0, 3), causal=(p + s + 1, n), topk=topk, keep=topk_keys(p + t)
         )
     return out.view(t, h * d)
+
+
+# -- self-conditioning -------------------------------------------------------------------------------
+
+
+def soft_embedding(probs: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
+    """probs [N, V] @ embed [V, H] in embed's dtype, probs cast to it first. On CUDA for 16-bit embeddings the
+    survivor gather (kernels/triton_sc_embed.py: a row's nonzero probabilities only, the dense GEMM for rows
+    with more than its cap), equal to the GEMM up to summation order; else (and while embed takes gradients)
+    the GEMM."""
+    fits = (
+        probs.dim() == 2
+        and embed.dtype in (torch.bfloat16, torch.float16)
+        and embed.stride(-1) == 1
+        and not (torch.is_grad_enabled() and (embed.requires_grad or probs.requires_grad))
+    )
+    out = dispatch.attempt("triton_sc_embed", lambda m: m.soft_embedding(probs, embed), probs, fits)
+    return out if out is not None else probs.to(embed.dtype) @ embed

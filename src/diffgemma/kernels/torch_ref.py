@@ -217,3 +217,25 @@ def moe_experts(
         out.index_add_(0, r, y.to(out.dtype))
         start += c
     return out
+
+
+def soft_embedding_survivors(probs: torch.Tensor, embed: torch.Tensor, cap: int) -> torch.Tensor:
+    """probs [N, V] @ embed [V, H] in embed's dtype as the survivor gather computes it (kernels/triton_sc_embed.py):
+    a row of at most `cap` nonzero probabilities sums its survivors' val * embed[idx] in fp32 in ascending column
+    order, each product rounded before its add, and rounds once; a row with more is a dense fp32 product (the
+    kernels' split-K GEMM, which sums in another order). probs are cast to embed's dtype first."""
+    p = probs.to(embed.dtype)
+    nz = p != 0
+    count = nz.sum(-1)
+    # the survivors first, in ascending column order (a stable sort of the nonzero flags)
+    order = torch.sort(nz.to(torch.int8), dim=-1, descending=True, stable=True).indices
+    keep = min(cap, int(count.max()) if count.numel() else 0)
+    acc = torch.zeros(p.shape[0], embed.shape[1], dtype=torch.float32, device=p.device)
+    for j in range(keep):
+        col = order[:, j]
+        val = torch.where(j < count, p.gather(1, col[:, None])[:, 0], 0).float()
+        acc = acc + val[:, None] * embed[col].float()
+    over = count > cap
+    if bool(over.any()):
+        acc[over] = p[over].float() @ embed.float()
+    return acc.to(embed.dtype)

@@ -264,13 +264,14 @@ class DiffusionGemma(nn.Module):
         return ops.rms_norm(emb + sc, None, self.cfg.rms_norm_eps)
 
     def soft_embedding(self, probs: torch.Tensor, exact: bool = False) -> torch.Tensor:
-        """probs [N, V] @ embed, in the embedding's dtype. By default one GEMM on the probabilities cast to that dtype
-        (as transformers computes it). `exact` (the sampler's sc_sparse=False, seed §5): fp32 probabilities times
+        """probs [N, V] @ embed, in the embedding's dtype. By default the steps' (`Steps.soft_embedding`: one GEMM on
+        the probabilities cast to that dtype, as transformers computes it; the fast steps with `sc_gather` gather a
+        sparse SC input's survivors on CUDA). `exact` (the sampler's sc_sparse=False, seed §5): fp32 probabilities times
         the embedding widened to fp32 a vocabulary chunk at a time (`SC_VOCAB_CHUNK` rows, so no fp32 copy of the
         whole table), accumulated in fp32 and rounded once."""
         e = self.embed
         if not exact or e.dtype == torch.float32:
-            return probs.to(e.dtype) @ e
+            return self.steps.soft_embedding(probs, e)
         acc = torch.zeros(probs.shape[0], e.shape[1], device=e.device, dtype=torch.float32)
         probs = probs.float()
         for s in range(0, e.shape[0], SC_VOCAB_CHUNK):

@@ -75,6 +75,11 @@ class Steps:
         """x @ w.T in x's dtype; a quantized w dequantized first (the reference for every format)."""
         return F.linear(x, dense(w, x.dtype))
 
+    def soft_embedding(self, probs: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
+        """The SC soft embedding probs [N, V] @ embed [V, H] in embed's dtype: one GEMM on the probabilities cast
+        to it (as transformers computes it)."""
+        return probs.to(embed.dtype) @ embed
+
     # -- attention half -----------------------------------------------------------------------------------
 
     def norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, p: Pass) -> torch.Tensor:
@@ -199,8 +204,9 @@ class FastSteps(Steps):
 
     fast = True
 
-    def __init__(self, compile: bool = True, topk: bool = False) -> None:
+    def __init__(self, compile: bool = True, topk: bool = False, sc_gather: bool = False) -> None:
         super().__init__(topk=topk)
+        self.sc_gather = sc_gather  # the SC soft embedding's survivor gather (`RuntimeConfig.sc_gather`)
         self.regions = regions.make_regions(enabled=compile)  # fixed shapes: the denoise step
         self.prefill_regions = regions.make_regions(enabled=compile, dynamic=True)  # any token count
         self._side: dict[torch.device, torch.cuda.Stream] = {}
@@ -225,6 +231,13 @@ class FastSteps(Steps):
         if isinstance(w, QuantWeight) and w.fmt == "fp8" and x.is_cuda and x.dtype == torch.bfloat16:
             return library.linear_fp8(x, w)
         return super().linear(x, w)
+
+    def soft_embedding(self, probs, embed):
+        """With `sc_gather`, the survivor gather on CUDA (`library.soft_embedding`): the reference's GEMM up to
+        summation order; else the GEMM."""
+        return (
+            library.soft_embedding(probs, embed) if self.sc_gather else super().soft_embedding(probs, embed)
+        )
 
     # -- attention half -----------------------------------------------------------------------------------
 
