@@ -163,7 +163,12 @@ def split3(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> bool:
     )
 
 
-def config_for_weights(n_pairs: int, x: torch.Tensor, gate_up: torch.Tensor | QuantWeight) -> MoeConfig:
-    """`config_for` for activations x on these experts (plain or quantized)."""
+def config_for_weights(
+    n_pairs: int, x: torch.Tensor, gate_up: torch.Tensor | QuantWeight, fixed: bool = False
+) -> MoeConfig:
+    """`config_for` for activations x on these experts (plain or quantized). `fixed` (the batch-invariant mode):
+    the denoise tiles whatever the pair count, so that a pair's sums run in one tile shape whichever other pairs
+    share its expert."""
     fmt = gate_up.fmt if isinstance(gate_up, QuantWeight) else None
-    return config_for(n_pairs, gate_up.shape[0], split3(x, gate_up), fmt, x.dtype == torch.float32)
+    pairs = 0 if fixed else n_pairs
+    return config_for(pairs, gate_up.shape[0], split3(x, gate_up), fmt, x.dtype == torch.float32)

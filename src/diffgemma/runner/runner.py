@@ -95,7 +95,11 @@ class ModelRunner:
                 "attention_topk on the fast kernels needs a CUDA device (the reference kernels have it)"
             )
         model.steps = (
-            FastSteps(compile=self.config.compile, topk=self.config.attention_topk)
+            FastSteps(
+                compile=self.config.compile,
+                topk=self.config.attention_topk,
+                invariant=self.config.batch_invariant,
+            )
             if self.fast
             else Steps(topk=self.config.attention_topk)
         )
