@@ -91,7 +91,8 @@ def _check_experts() -> None:
     dense = torch.randn(n1, h, generator=g).to(bf)
     logits = torch.randn(n1, e, generator=g)
     logits[:, :2] += 4.0  # every row prefers experts 0 and 1: the six rows' experts are crowded when batched
-    assert moe_tiles.config_for_weights(n1 * k, x, gate_up) is moe_tiles.CONFIGS["prefill"]  # unpinned: others
+    unpinned = moe_tiles.config_for_weights(n1 * k, x, gate_up)
+    assert unpinned is moe_tiles.CONFIGS["prefill"]  # the tiles the pair count would pick
     where = torch.randperm(n1, generator=g)[:n0]
     solo = layer_rows(x[where], logits[where], resid[where], dense[where])
     batched = layer_rows(x, logits, resid, dense)
@@ -108,4 +109,7 @@ def test_batch_invariant_kernels_under_interpreter(check: str):
 def test_batch_invariant_is_a_runtime_field_with_an_env_override():
     assert load_runtime_config({}).batch_invariant is False
     assert load_runtime_config({"DIFFGEMMA_BATCH_INVARIANT": "1"}).batch_invariant is True
-    assert load_runtime_config({"DIFFGEMMA_BATCH_INVARIANT": "1"}, batch_invariant=False).batch_invariant is False
+    given = load_runtime_config({"DIFFGEMMA_BATCH_INVARIANT": "1"}, batch_invariant=False)
+    assert (
+        given.batch_invariant is False
+    )  # a field given (serve's --log-dir sets it) wins over the environment

@@ -185,7 +185,12 @@ class Steps:
         return ref.softcap(logits, cap)
 
     def lm_head(
-        self, h: torch.Tensor, norm: torch.Tensor, eps: float, head: torch.Tensor, out: torch.Tensor | None = None
+        self,
+        h: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
+        head: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The final norm and the LM head: its raw output [N, V] in h's dtype (before the softcap), into `out`
         when given."""
