@@ -58,9 +58,9 @@ def _check_gemm() -> None:
 
 
 def _check_experts() -> None:
-    """Runs in the subprocess. Six rows routed alone and then among 250 others steered to their experts (past the
-    denoise tiles' pair count, where the unpinned choice takes the prefill tiles): on the pinned tiles the
-    routing weights, the expert outputs and the combined rows are the same bits."""
+    """Runs in the subprocess. Six rows routed alone (where the unpinned choice takes the denoise tiles) and then
+    among 250 others steered to their experts: on the pinned (prefill) tiles the routing weights, the expert
+    outputs and the combined rows are the same bits."""
     from diffgemma.kernels import moe_tiles
     from diffgemma.kernels import triton_combine as tc
     from diffgemma.kernels import triton_moe as tm
@@ -79,7 +79,7 @@ def _check_experts() -> None:
     def layer_rows(x, logits, resid, dense):
         n = x.shape[0]
         cfg = moe_tiles.config_for_weights(n * k, x, gate_up, fixed=True)
-        assert cfg is moe_tiles.CONFIGS[moe_tiles.DEFAULT_CONFIG]
+        assert cfg is moe_tiles.CONFIGS["prefill"]
         weights, ids, bounds, perm, slot = tr.route_sort(logits, scale, k, rows=INVARIANT_ROUTE_ROWS)
         y = tm.down_sorted(tm.gate_up_act(x, gate_up, perm, bounds, k, cfg.gate_up), down, bounds, cfg.down)
         out, nxt = tc.post_ffn(resid, dense, y, slot, weights, norms[0], norms[1], scalar, norms[2], eps)
@@ -91,8 +91,10 @@ def _check_experts() -> None:
     dense = torch.randn(n1, h, generator=g).to(bf)
     logits = torch.randn(n1, e, generator=g)
     logits[:, :2] += 4.0  # every row prefers experts 0 and 1: the six rows' experts are crowded when batched
-    unpinned = moe_tiles.config_for_weights(n1 * k, x, gate_up)
-    assert unpinned is moe_tiles.CONFIGS["prefill"]  # the tiles the pair count would pick
+    unpinned = moe_tiles.config_for_weights(n0 * k, x, gate_up)
+    assert unpinned is moe_tiles.CONFIGS[moe_tiles.DEFAULT_CONFIG]  # what the six rows alone would pick
+    fp32 = moe_tiles.config_for_weights(n1 * k, x.float(), gate_up, fixed=True)
+    assert fp32 is moe_tiles.CONFIGS[moe_tiles.SPLIT3_CONFIG]  # fp32 activations: by dtype, not by count
     where = torch.randperm(n1, generator=g)[:n0]
     solo = layer_rows(x[where], logits[where], resid[where], dense[where])
     batched = layer_rows(x, logits, resid, dense)

@@ -373,9 +373,9 @@ class RuntimeConfig:
     # ranks that share each layer's experts (`runner.parallel`; launched by torchrun, one process a GPU); 1: none
     expert_parallel: int = 1
     # batch invariance on the fast kernels: every row of a pass computed in an order that does not depend on the
-    # other rows (fixed-tile GEMMs, the experts' denoise tiles at any pair count), so a request batched with others
+    # other rows (fixed-tile GEMMs, one expert tile set at any pair count), so a request batched with others
     # gets its solo tokens and logits bit for bit; off by default for its cost, on for `serve --log-dir` (replay)
-    # (docs/performance.md, "Batch invariance on the GPU")
+    # (docs/performance.md, "Batch-invariant mode")
     batch_invariant: bool = False
 
     def replace(self, **changes: Any) -> RuntimeConfig:

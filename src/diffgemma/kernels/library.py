@@ -37,8 +37,8 @@ _TRITON_MOE_DTYPES = {
 def triton_moe_for(x: torch.Tensor, n_pairs: int, gate_up: torch.Tensor | QuantWeight, fixed: bool = False):
     """kernels.triton_moe when its kernels suit this call (CUDA, 16-bit weights and activations in their dtype,
     or fp32 ones on bf16 on the denoise tiles; int4 or fp8 experts under bf16, fp16 or fp32 activations; not more
-    pairs an expert than their limit), else None. `fixed` (the batch-invariant mode, which pins the denoise
-    tiles): any pair count, so that no batch size sends the pairs to the grouped GEMMs."""
+    pairs an expert than their limit), else None. `fixed` (the batch-invariant mode, which pins one tile set):
+    any pair count, so that no batch size sends the pairs to the grouped GEMMs."""
     n_exp = gate_up.shape[0]
     if fixed:
         n_pairs = 0

@@ -220,7 +220,7 @@ class FastSteps(Steps):
         self.prefill_regions = regions.make_regions(enabled=compile, dynamic=True)  # any token count
         self._side: dict[torch.device, torch.cuda.Stream] = {}
         # the batch-invariant mode (`RuntimeConfig.batch_invariant`): a row's sums in an order that does not
-        # depend on the other rows of its pass (docs/performance.md, "Batch invariance on the GPU")
+        # depend on the other rows of its pass (docs/performance.md, "Batch-invariant mode")
         self.invariant = invariant
 
     def _r(self, p: Pass) -> dict:
