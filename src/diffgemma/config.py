@@ -377,6 +377,11 @@ class RuntimeConfig:
     expert_parallel: int = 1
     # an overlay pack's base checkpoint, instead of the one its overlay.json records (docs/quantization.md)
     overlay_base: str | None = None
+    # batch invariance on the fast kernels: every row of a pass computed in an order that does not depend on the
+    # other rows (fixed-tile GEMMs, one expert tile set at any pair count), so a request batched with others
+    # gets its solo tokens and logits bit for bit; off by default for its cost, on for `serve --log-dir` (replay)
+    # (docs/performance.md, "Batch-invariant mode")
+    batch_invariant: bool = False
 
     def replace(self, **changes: Any) -> RuntimeConfig:
         return dataclasses.replace(self, **changes).validated()

@@ -140,6 +140,7 @@ def setup(opts: BenchOptions) -> tuple[ModelRunner, dict[str, Any], dict[str, An
         expert_parallel=opts.expert_parallel,
     )
     results["attention_topk"] = runtime.attention_topk
+    results["batch_invariant"] = runtime.batch_invariant  # DIFFGEMMA_BATCH_INVARIANT=1: solo_equal 1.0
     runner = ModelRunner(model, runtime)
     if opts.quant:  # the bf16 model's outputs first, then the same weights quantized
         g = torch.Generator().manual_seed(2)

@@ -32,7 +32,10 @@ def replay(
         first = sessions[0].header
         path = resolve_model(model or first.get("model"))
         runtime = load_runtime_config(
-            device=device or first.get("device"), dtype=dtype or first.get("dtype"), threads=threads
+            device=device or first.get("device"),
+            dtype=dtype or first.get("dtype"),
+            threads=threads,
+            batch_invariant=first.get("batch_invariant"),
         )
         engine = diffgemma.load(path, max_tokens=first.get("ctx"), runtime=runtime)
         same, line = replay_log(log, engine)

@@ -34,11 +34,14 @@ _TRITON_MOE_DTYPES = {
 }
 
 
-def triton_moe_for(x: torch.Tensor, n_pairs: int, gate_up: torch.Tensor | QuantWeight):
+def triton_moe_for(x: torch.Tensor, n_pairs: int, gate_up: torch.Tensor | QuantWeight, fixed: bool = False):
     """kernels.triton_moe when its kernels suit this call (CUDA, 16-bit weights and activations in their dtype,
     or fp32 ones on bf16 on the denoise tiles; int4 or fp8 experts under bf16, fp16 or fp32 activations; not more
-    pairs an expert than their limit), else None."""
+    pairs an expert than their limit), else None. `fixed` (the batch-invariant mode, which pins one tile set):
+    any pair count, so that no batch size sends the pairs to the grouped GEMMs."""
     n_exp = gate_up.shape[0]
+    if fixed:
+        n_pairs = 0
     if n_pairs > TRITON_MAX_PAIRS_PER_EXPERT * n_exp:
         return None
     if isinstance(gate_up, QuantWeight):  # dequantized in the kernels to x's dtype (bf16 under fp32)

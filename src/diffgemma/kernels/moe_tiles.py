@@ -163,7 +163,16 @@ def split3(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> bool:
     )
 
 
-def config_for_weights(n_pairs: int, x: torch.Tensor, gate_up: torch.Tensor | QuantWeight) -> MoeConfig:
-    """`config_for` for activations x on these experts (plain or quantized)."""
+def config_for_weights(
+    n_pairs: int, x: torch.Tensor, gate_up: torch.Tensor | QuantWeight, fixed: bool = False
+) -> MoeConfig:
+    """`config_for` for activations x on these experts (plain or quantized). `fixed` (the batch-invariant mode):
+    the tiles of many pairs whatever the pair count, so that a pair's sums run in one tile shape whichever other
+    pairs share its expert; fp32 activations keep the denoise tiles, their only ones (the choice is by dtype, not
+    by count). On the H100 the prefill tiles took 1.05 ms a layer at 16 canvases' rows, the denoise tiles 2.48;
+    at one canvas's 0.62 against 0.53 (docs/performance.md, "Batch-invariant mode")."""
     fmt = gate_up.fmt if isinstance(gate_up, QuantWeight) else None
-    return config_for(n_pairs, gate_up.shape[0], split3(x, gate_up), fmt, x.dtype == torch.float32)
+    fp32 = x.dtype == torch.float32
+    if fixed:
+        n_pairs = 0 if fp32 else (DENOISE_MAX_PAIRS_PER_EXPERT + 1) * gate_up.shape[0]
+    return config_for(n_pairs, gate_up.shape[0], split3(x, gate_up), fmt, fp32)

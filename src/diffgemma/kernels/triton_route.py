@@ -167,12 +167,16 @@ def _slot_kernel(
     tl.store(perm_ptr + slot, pairs, mask=ok)
 
 
-def route_sort(logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int) -> Sorted:
+def route_sort(
+    logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int, rows: int | None = None
+) -> Sorted:
     """From router logits [N, E]: (weights [N, k] fp32, ids [N, k] int32, bounds int32 [E + 1], perm [N*k],
-    slot [N*k]), as `torch_ref.route_weights` and `regions.route` give them."""
+    slot [N*k]), as `torch_ref.route_weights` and `regions.route` give them. `rows`: rows a program (None:
+    `block_rows(N)`); the batch-invariant mode fixes it, so that a row's softmax sums run in one tile shape
+    whatever N is."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"route_sort: want logits [N, E] with contiguous rows, got {tuple(logits.shape)}")
-    return _sort(logits, logits.shape[1], 0, tl.float32, per_expert_scale, top_k)
+    return _sort(logits, logits.shape[1], 0, tl.float32, per_expert_scale, top_k, rows)
 
 
 def route_sort_from(
@@ -272,13 +276,20 @@ def _router_kernel(
 
 
 def _sort(
-    src: torch.Tensor, n_exp: int, splits: int, logit_dtype, per_expert_scale: torch.Tensor, top_k: int
+    src: torch.Tensor,
+    n_exp: int,
+    splits: int,
+    logit_dtype,
+    per_expert_scale: torch.Tensor,
+    top_k: int,
+    rows: int | None = None,
 ) -> Sorted:
-    """The two passes on logits src [N, >= E] (splits 0) or on partials [splits, N, >= E] (their sum)."""
+    """The two passes on logits src [N, >= E] (splits 0) or on partials [splits, N, >= E] (their sum), `rows` a
+    program (None: `block_rows`)."""
     n = src.shape[-2]
     dev = src.device
     e_p2 = triton.next_power_of_2(n_exp)
-    rows = block_rows(n)
+    rows = rows or block_rows(n)
     n_blocks = triton.cdiv(n, rows)
     weights = torch.empty(n, top_k, device=dev, dtype=torch.float32)
     ids = torch.empty(n, top_k, device=dev, dtype=torch.int32)

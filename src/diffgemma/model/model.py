@@ -309,9 +309,8 @@ class DiffusionGemma(nn.Module):
     def logits(self, h: torch.Tensor, out: torch.Tensor | None = None, raw: bool = False) -> torch.Tensor:
         """The final norm and the LM head (the tied embedding): softcapped fp32 logits [N, V], or (raw) the head's
         output before the softcap in h's dtype, into `out` when given."""
-        h = ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
         head = (self.embed if self.lm_head is None else self.lm_head).to(h.dtype)
-        logits = F.linear(h, head) if out is None else torch.mm(h, head.t(), out=out)
+        logits = self.steps.lm_head(h, self.norm, self.cfg.rms_norm_eps, head, out)
         return logits if raw else self.steps.softcap(logits, self.cfg.final_logit_softcapping)
 
     def inv_freq_for(self, layer: Layer, device: torch.device) -> torch.Tensor:

@@ -25,6 +25,8 @@ from diffgemma.quant.weight import QuantWeight, dense
 # Rows up to which the router's GEMM runs inside the Triton top-k pass (docs/performance.md, "Routing and the
 # FFN combine"): faster at a canvas's 256 rows, slower at a prefill chunk's 4,096; never for fp32 activations.
 ROUTE_FROM_MAX_ROWS = 256
+# Rows a program of the top-k pass in the batch-invariant mode, whatever the row count (`triton_route.route_sort`)
+INVARIANT_ROUTE_ROWS = 8
 
 
 class Routing(NamedTuple):
@@ -187,6 +189,19 @@ class Steps:
     def softcap(self, logits: torch.Tensor, cap: float) -> torch.Tensor:
         return ref.softcap(logits, cap)
 
+    def lm_head(
+        self,
+        h: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
+        head: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The final norm and the LM head: its raw output [N, V] in h's dtype (before the softcap), into `out`
+        when given."""
+        h = ref.rms_norm(h, norm, eps)
+        return F.linear(h, head) if out is None else torch.mm(h, head.t(), out=out)
+
 
 def _experts_dense(x, routing: Routing, k: int, gate_up, down) -> torch.Tensor:
     """`torch_ref.experts_sorted` as every expert on every row, each pair's output picked from them: the same
@@ -204,17 +219,33 @@ class FastSteps(Steps):
 
     fast = True
 
-    def __init__(self, compile: bool = True, topk: bool = False, sc_gather: bool = False) -> None:
+    def __init__(
+        self, compile: bool = True, topk: bool = False, sc_gather: bool = False, invariant: bool = False
+    ) -> None:
         super().__init__(topk=topk)
         self.sc_gather = sc_gather  # the SC soft embedding's survivor gather (`RuntimeConfig.sc_gather`)
         self.regions = regions.make_regions(enabled=compile)  # fixed shapes: the denoise step
         self.prefill_regions = regions.make_regions(enabled=compile, dynamic=True)  # any token count
         self._side: dict[torch.device, torch.cuda.Stream] = {}
+        # the batch-invariant mode (`RuntimeConfig.batch_invariant`): a row's sums in an order that does not
+        # depend on the other rows of its pass (docs/performance.md, "Batch-invariant mode")
+        self.invariant = invariant
 
     def _r(self, p: Pass) -> dict:
         """The regions for this pass: fixed shapes for a lone canvas, any row count for a prefill chunk or several
-        canvases (a batch of each size would otherwise be a compile of its own)."""
-        return self.prefill_regions if p.phase == PREFILL or p.batch > 1 else self.regions
+        canvases (a batch of each size would otherwise be a compile of its own). The batch-invariant mode takes
+        the latter for every pass: one compiled kernel a region, whose row reductions do not change with N."""
+        if self.invariant or p.phase == PREFILL or p.batch > 1:
+            return self.prefill_regions
+        return self.regions
+
+    def _gemm(self, x: torch.Tensor, w, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """x @ w.T by `triton_gemm` (fixed tiles, no split-K) in the batch-invariant mode, for 16-bit x on a
+        plain weight of its dtype; None elsewhere (the caller's own GEMM serves)."""
+        if not self.invariant or isinstance(w, QuantWeight) or w.dtype != x.dtype:
+            return None
+        fits = x.dtype in (torch.bfloat16, torch.float16)
+        return dispatch.attempt("triton_gemm", lambda m: m.linear(x, w, out=out), x, fits=fits)
 
     @staticmethod
     def _geometry(p: Pass) -> torch.Tensor:
@@ -227,10 +258,12 @@ class FastSteps(Steps):
         return p.geometry
 
     def linear(self, x, w):
-        """fp8 weights on CUDA through `library.linear_fp8` (fp8 activations, per row); the reference else."""
+        """fp8 weights on CUDA through `library.linear_fp8` (fp8 activations, per row); in the batch-invariant
+        mode 16-bit weights through `triton_gemm`; the reference else."""
         if isinstance(w, QuantWeight) and w.fmt == "fp8" and x.is_cuda and x.dtype == torch.bfloat16:
             return library.linear_fp8(x, w)
-        return super().linear(x, w)
+        y = self._gemm(x, w)
+        return y if y is not None else super().linear(x, w)
 
     def soft_embedding(self, probs, embed):
         """With `sc_gather`, the survivor gather on CUDA (`library.soft_embedding`): the reference's GEMM up to
@@ -362,8 +395,11 @@ class FastSteps(Steps):
         if dispatch.wide(r, layer.router_proj):
             return super().route(r, layer, top_k, p)
         proj, scale = layer.router_proj, layer.per_expert_scale
+        logits = self._gemm(r, proj)  # the batch-invariant mode: its GEMM, then the top-k on fixed row blocks
 
         def triton_route(m):
+            if logits is not None:
+                return m.route_sort(logits, scale, top_k, rows=INVARIANT_ROUTE_ROWS)
             if r.shape[0] > ROUTE_FROM_MAX_ROWS:
                 return m.route_sort(F.linear(r, proj), scale, top_k)
             return m.route_sort_from(r, proj, scale, top_k)
@@ -371,7 +407,8 @@ class FastSteps(Steps):
         out = dispatch.attempt("triton_route", triton_route, r)
         if out is not None:
             return Routing(*out)
-        weights, bounds, perm, slot = self._r(p)["route"](F.linear(r, proj), scale, top_k)
+        logits = F.linear(r, proj) if logits is None else logits
+        weights, bounds, perm, slot = self._r(p)["route"](logits, scale, top_k)
         return Routing(weights, None, bounds, perm, slot)
 
     def dense_mlp(self, x, layer, eps, p: Pass):
@@ -386,6 +423,10 @@ class FastSteps(Steps):
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             if isinstance(gate_up, QuantWeight) or isinstance(layer.mlp_down, QuantWeight):
                 return self._dense_mlp_linear(x, gate_up, layer, eps)
+            if self.invariant:  # the region's two GEMMs as `triton_gemm`'s, around its gelu * up and norm
+                r = self._r(p)
+                act = r["gelu_mul"](self.linear(x, gate_up))
+                return r["norm"](self.linear(act, layer.mlp_down), layer.post_feedforward_layernorm_1, eps)
             return self._r(p)["dense_mlp"](
                 x, gate_up, layer.mlp_down, layer.post_feedforward_layernorm_1, eps
             )
@@ -395,10 +436,10 @@ class FastSteps(Steps):
         grouped GEMMs around the compiled gelu*up."""
         gate_up, down, perm, bounds = layer.experts_gate_up, layer.experts_down, routing.perm, routing.bounds
         top_k = routing.weights.shape[1]
-        if library.triton_moe_for(x, perm.numel(), gate_up) is not None:
+        if library.triton_moe_for(x, perm.numel(), gate_up, fixed=self.invariant) is not None:
 
             def kernels(m):
-                cfg = m.config_for_weights(perm.numel(), x, gate_up)
+                cfg = m.config_for_weights(perm.numel(), x, gate_up, fixed=self.invariant)
                 return m.down_sorted(
                     m.gate_up_act(x, gate_up, perm, bounds, top_k, cfg.gate_up), down, bounds, cfg.down
                 )
@@ -433,6 +474,17 @@ class FastSteps(Steps):
 
     def softcap(self, logits, cap):
         return self.regions["softcap"](logits, cap)
+
+    def lm_head(self, h, norm, eps, head, out=None):
+        """In the batch-invariant mode the norm's compiled region of any row count and `triton_gemm`; else the
+        reference's."""
+        if not self.invariant or dispatch.wide(h, head):
+            return super().lm_head(h, norm, eps, head, out)
+        x = self.prefill_regions["norm"](h, norm, eps)
+        y = self._gemm(x, head, out)
+        if y is not None:
+            return y
+        return F.linear(x, head) if out is None else torch.mm(x, head.t(), out=out)
 
     def _side_stream(self, x: torch.Tensor) -> torch.cuda.Stream | None:
         """The second stream of x's CUDA device (None elsewhere). A CUDA graph captures the work queued on it

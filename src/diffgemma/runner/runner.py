@@ -96,7 +96,10 @@ class ModelRunner:
             )
         model.steps = (
             FastSteps(
-                compile=self.config.compile, topk=self.config.attention_topk, sc_gather=self.config.sc_gather
+                compile=self.config.compile,
+                topk=self.config.attention_topk,
+                sc_gather=self.config.sc_gather,
+                invariant=self.config.batch_invariant,
             )
             if self.fast
             else Steps(topk=self.config.attention_topk)

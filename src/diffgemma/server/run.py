@@ -154,7 +154,12 @@ def serve(
         raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {shutdown_grace}")
     api_key = resolve_api_key(api_key, api_key_file)
     public_host = host  # the name clients reach (a data parallel replica listens on loopback)
-    runtime = load_runtime_config(expert_parallel=expert_parallel if expert_parallel > 1 else None)
+    # a session logged for replay (`--log-dir`) runs batch invariant: its requests' bits then do not depend on
+    # what else the server was running
+    runtime = load_runtime_config(
+        expert_parallel=expert_parallel if expert_parallel > 1 else None,
+        batch_invariant=True if log_dir else None,
+    )
     if data_parallel > 1 and runtime.expert_parallel > 1:
         raise ValueError("serve runs --data-parallel or --expert-parallel, not both above 1 (not built)")
     front, rank = None, 0

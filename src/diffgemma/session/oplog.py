@@ -86,6 +86,8 @@ def header(pipeline: Stage) -> dict[str, Any]:
         "device": str(engine.model.device),
         "dtype": str(engine.model.dtype).removeprefix("torch."),
         "fast_kernels": bool(engine.runner.fast),
+        # replay runs the kernels of the log: the batch-invariant mode's solo bits are not the default mode's
+        **({"batch_invariant": True} if engine.runner.config.batch_invariant else {}),
         "ctx": pipeline.registry.ctx,
         "max_conversations": pipeline.registry.max_conversations,
         "sampler": sampler_fields(engine.sampler),
