@@ -176,3 +176,52 @@ def test_int4_experts_dequantize_in_bf16_pairs_under_bf16():
     assert not re.search(r"\bor\.b32\s+%r\d+, %r\d+, 1258291200;", ptx)  # 0x4B000000: the fp32 path's bias
     fp16 = _int4_gate_up_ptx("fp16")
     assert not re.search(r"fma\.rn\.bf16x2", fp16) and "1258291200" in fp16
+
+
+def _gluon_experts_ptx(fmt: str, gate_up: bool) -> str:
+    """`gluon_moe`'s kernel for sm_90 at the real shape (gate_up [E, 1408, 2816] or down [E, 2816, 704]), its pointer
+    arguments 16-byte aligned as the launcher specializes them."""
+    from triton.backends.compiler import GPUTarget
+
+    gm = pytest.importorskip("diffgemma.kernels.gluon_moe", reason="needs triton with gluon")
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    int4 = fmt == "int4"
+    sig = {"a_ptr": "*bf16", "q_ptr": "*u8" if int4 else "*fp8e4nv", "s_ptr": "*bf16" if int4 else "*fp32"}
+    sig.update(z_ptr="*i16" if int4 else "*fp32", out_ptr="*bf16", perm_ptr="*i64", bounds_ptr="*i32")
+    sig.update(dict.fromkeys(("TOP_K", "stride_an", "stride_on", "stride_se"), "i32"))
+    k, r, n_out = (2816, 1408, 704) if gate_up else (704, 2816, 2816)
+    consts = dict(K=k, R=r, N_OUT=n_out, GATE_UP=gate_up, WFMT=gm.FORMATS[fmt], BLOCK_M=32, PREFETCH=4)
+    aligned = [n for n in sig if n != "TOP_K"]
+    names = [*sig, *consts]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = GluonASTSource(
+        fn=gm._experts_kernel,
+        signature={**sig, **dict.fromkeys(consts, "constexpr")},
+        constexprs=consts,
+        attrs=attrs,
+    )
+    try:
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    except (ImportError, KeyError, RuntimeError) as e:
+        pytest.skip(f"cannot compile for sm_90 here: {type(e).__name__}: {e}")
+    return kernel.asm["ptx"]
+
+
+@pytest.mark.parametrize("gate_up", [True, False])
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_gluon_experts_feed_wgmma_from_registers(fmt, gate_up):
+    # the weights' decoded tile is wgmma's A operand in registers ({%r...}, not a shared-memory descriptor), loaded
+    # 128 bits a thread, and never stored to shared memory or read back by ldmatrix: the only shared-memory
+    # stores in the loop are x's tile (two 128-bit stores a thread), the B operand
+    ptx = _gluon_experts_ptx(fmt, gate_up)
+    mmas = re.findall(
+        r"wgmma\.mma_async\.sync\.aligned\.m64n32k16\.f32\.bf16\.bf16 \{[^}]*\}, \{([^}]*)\}", ptx
+    )
+    assert len(mmas) == (8 if gate_up else 4)  # 4 k16 steps a 64-input tile, gate and up
+    assert all(len(a.split(",")) == 4 for a in mmas)  # A: four b32 registers (8 bf16) a thread
+    assert "ldmatrix" not in ptx
+    loop = ptx[ptx.index("prefetch.global.L2") : ptx.rindex("wgmma.wait_group")]
+    assert len(re.findall(r"st\.shared", loop)) == 2 and re.search(r"ld\.global\S*\.v4", loop)
+    if fmt == "int4":
+        assert "prmt.b32" in ptx and re.search(r"fma\.rn\.bf16x2", ptx)
