@@ -191,7 +191,9 @@ def _gluon_experts_ptx(fmt: str, gate_up: bool) -> str:
     sig.update(z_ptr="*i16" if int4 else "*fp32", out_ptr="*bf16", perm_ptr="*i64", bounds_ptr="*i32")
     sig.update(dict.fromkeys(("TOP_K", "stride_an", "stride_on", "stride_se"), "i32"))
     k, r, n_out = (2816, 1408, 704) if gate_up else (704, 2816, 2816)
-    consts = dict(K=k, R=r, N_OUT=n_out, GATE_UP=gate_up, WFMT=gm.FORMATS[fmt], BLOCK_M=32, PREFETCH=4)
+    consts = dict(
+        K=k, R=r, N_OUT=n_out, GATE_UP=gate_up, WFMT=gm.FORMATS[fmt], BLOCK_M=32, PREFETCH=4, PDL=True
+    )
     aligned = [n for n in sig if n != "TOP_K"]
     names = [*sig, *consts]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
@@ -212,16 +214,21 @@ def _gluon_experts_ptx(fmt: str, gate_up: bool) -> str:
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
 def test_gluon_experts_feed_wgmma_from_registers(fmt, gate_up):
     # the weights' decoded tile is wgmma's A operand in registers ({%r...}, not a shared-memory descriptor), loaded
-    # 128 bits a thread, and never stored to shared memory or read back by ldmatrix: the only shared-memory
-    # stores in the loop are x's tile (two 128-bit stores a thread), the B operand
+    # 128 bits a thread, and never stored to shared memory or read back by ldmatrix: the kernel's only
+    # shared-memory stores are x's tile (two 128-bit stores a thread), the B operand (the output's transpose goes
+    # through stmatrix)
     ptx = _gluon_experts_ptx(fmt, gate_up)
     mmas = re.findall(
         r"wgmma\.mma_async\.sync\.aligned\.m64n32k16\.f32\.bf16\.bf16 \{[^}]*\}, \{([^}]*)\}", ptx
     )
     assert len(mmas) == (8 if gate_up else 4)  # 4 k16 steps a 64-input tile, gate and up
     assert all(len(a.split(",")) == 4 for a in mmas)  # A: four b32 registers (8 bf16) a thread
-    assert "ldmatrix" not in ptx
-    loop = ptx[ptx.index("prefetch.global.L2") : ptx.rindex("wgmma.wait_group")]
-    assert len(re.findall(r"st\.shared", loop)) == 2 and re.search(r"ld\.global\S*\.v4", loop)
+    assert "ldmatrix" not in ptx and len(re.findall(r"st\.shared", ptx)) == 2
+    assert len(re.findall(r"ld\.global\S*\.v4", ptx)) >= (4 if gate_up else 2)
     if fmt == "int4":
         assert "prmt.b32" in ptx and re.search(r"fma\.rn\.bf16x2", ptx)
+    # PDL: only L2 prefetches of the weights (which no kernel writes) come before the wait
+    body = ptx[ptx.index(".entry") :]
+    before = body[: body.index("griddepcontrol.wait")]
+    assert "prefetch.global.L2" in before
+    assert not re.search(r"\b(ld\.global|st\.global|cp\.async|atom)", before)

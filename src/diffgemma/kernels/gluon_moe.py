@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from diffgemma.kernels import moe_shuffle
+from diffgemma.kernels import moe_shuffle, pdl
 from diffgemma.kernels.torch_ref import sum_sorted_pairs
 from diffgemma.kernels.triton_moe import _INT4_HI, _INT4_LO, sort_pairs
 
@@ -147,6 +147,7 @@ def _experts_kernel(
     WFMT: gl.constexpr,
     BLOCK_M: gl.constexpr,
     PREFETCH: gl.constexpr,
+    PDL: gl.constexpr,
 ):
     """One program: expert program_id(0)'s output columns program_id(1) * 64.. (gate_up: of gate and of up).
     a: x [N, K] (gate_up, rows gathered through perm) or act [N*k, K] (down, sorted); out [N*k, N_OUT]."""
@@ -162,10 +163,19 @@ def _experts_kernel(
     RB: gl.constexpr = R // 64
     e = gl.program_id(0)
     nb = gl.program_id(1)
-    start = gl.load(bounds_ptr + e)
-    end = gl.load(bounds_ptr + e + 1)
     tile_g = (e * RB + nb) * KB  # the first tile of this program's (gate) row block
     tile_u = (e * RB + nb + N_OUT // 64) * KB  # gate_up: the up rows' block
+    # the first steps' weights into L2 while the kernel before drains: no kernel writes them, so this may run
+    # before PDL's wait (a prefetch returns nothing); everything else waits
+    for k0 in gl.static_range(PREFETCH):
+        _prefetch_l2(q_ptr, tile_g + k0, TILE_BYTES)
+        if GATE_UP:
+            _prefetch_l2(q_ptr, tile_u + k0, TILE_BYTES)
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], gl.int32, False, 1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], gl.int32, False, 1)
+    start = gl.load(bounds_ptr + e)
+    end = gl.load(bounds_ptr + e + 1)
     if WFMT == _FP8:
         n = nb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, DOT))
         s_g = gl.load(s_ptr + e * stride_se + n)
@@ -249,6 +259,7 @@ def _launch(
     n_exp, r, k = w.shape
     n_out = r // 2 if gate_up else r
     scale = w.scale
+    pdl_on = pdl.enabled(a.device)
     _experts_kernel[(n_exp, n_out // TILE)](
         a,
         w.data,
@@ -268,6 +279,8 @@ def _launch(
         WFMT=FORMATS[w.fmt],
         BLOCK_M=BLOCK_M,
         PREFETCH=prefetch,
+        PDL=pdl_on,
+        launch_pdl=pdl_on,
         num_warps=4,
     )
 
