@@ -42,7 +42,11 @@ def test_a_thread_loads_its_wgmma_fragment(fmt):
     s = moe_shuffle.shuffle(w)
     dense = w.dequantize()[0]
     if fmt == "int4":
-        nib = torch.stack([s.data & 15, s.data >> 4], -1).reshape(4, 32, 32).long()  # (warp, lane, value)
+        # fragment value i of a thread: in its word i // 8 (a little-endian int32), the pair p = (i // 2) % 4 at
+        # bits 4p (i even) and 16 + 4p (i odd): byte 4 (i // 8) + 2 (i % 2) + p // 2, nibble p % 2
+        i = torch.arange(32)
+        byte, shift = 4 * (i // 8) + 2 * (i % 2) + (i // 2) % 4 // 2, 4 * ((i // 2) % 2)
+        nib = (s.data.reshape(4, 32, 16)[:, :, byte].long() >> shift) & 15  # (warp, lane, value)
         scale = s.scale.reshape(4, 8, 4).float()  # (warp, quad, 2 group + row half)
         words = s.zero.to(torch.int32).reshape(4, 8) & 0xFFFF
     else:

@@ -187,7 +187,7 @@ def _gluon_experts_ptx(fmt: str, gate_up: bool) -> str:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     int4 = fmt == "int4"
-    sig = {"a_ptr": "*bf16", "q_ptr": "*u8" if int4 else "*fp8e4nv", "s_ptr": "*bf16" if int4 else "*fp32"}
+    sig = {"a_ptr": "*bf16", "q_ptr": "*i32" if int4 else "*fp8e4nv", "s_ptr": "*bf16" if int4 else "*fp32"}
     sig.update(z_ptr="*i16" if int4 else "*fp32", out_ptr="*bf16", perm_ptr="*i64", bounds_ptr="*i32")
     sig.update(dict.fromkeys(("TOP_K", "stride_an", "stride_on", "stride_se"), "i32"))
     k, r, n_out = (2816, 1408, 704) if gate_up else (704, 2816, 2816)
@@ -225,8 +225,9 @@ def test_gluon_experts_feed_wgmma_from_registers(fmt, gate_up):
     assert all(len(a.split(",")) == 4 for a in mmas)  # A: four b32 registers (8 bf16) a thread
     assert "ldmatrix" not in ptx and len(re.findall(r"st\.shared", ptx)) == 2
     assert len(re.findall(r"ld\.global\S*\.v4", ptx)) >= (4 if gate_up else 2)
-    if fmt == "int4":
-        assert "prmt.b32" in ptx and re.search(r"fma\.rn\.bf16x2", ptx)
+    if fmt == "int4":  # each bf16x2 pair of a packed word made by a mask (128.0 | nibbles) and two FMAs
+        assert len(re.findall(r"lop3\.b32 t, u, 0x000F000F, 0x43004300", ptx)) == (32 if gate_up else 16)
+        assert re.search(r"fma\.rn\.bf16x2", ptx)
     # PDL: only L2 prefetches of the weights (which no kernel writes) come before the wait
     body = ptx[ptx.index(".entry") :]
     before = body[: body.index("griddepcontrol.wait")]

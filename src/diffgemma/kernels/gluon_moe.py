@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from diffgemma.kernels import moe_shuffle, pdl
 from diffgemma.kernels.torch_ref import sum_sorted_pairs
-from diffgemma.kernels.triton_moe import _INT4_HI, _INT4_LO, sort_pairs
+from diffgemma.kernels.triton_moe import sort_pairs
 
 TILE = moe_shuffle.TILE  # rows and inputs of a weight tile
 BLOCK_M = 32  # pairs a program multiplies at once (wgmma's N); a denoise step has ~16 an expert
@@ -53,51 +53,83 @@ def _gelu_tanh(g):
 def _prefetch_l2(q_ptr, tile, TILE_BYTES: gl.constexpr):
     """Tile `tile`'s bytes into L2, 16 a thread (no registers held)."""
     L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    ptrs = q_ptr + tile * TILE_BYTES + gl.arange(0, TILE_BYTES // 16, layout=L) * 16
+    per16: gl.constexpr = 128 // q_ptr.dtype.element_ty.primitive_bitwidth  # elements in 16 bytes
+    ptrs = q_ptr + tile * (TILE_BYTES // 16 * per16) + gl.arange(0, TILE_BYTES // 16, layout=L) * per16
     gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], gl.int32, False, 1)
 
 
 @gluon.jit
 def _load_int4(q_ptr, s_ptr, z_ptr, tile):
-    """Tile `tile`'s packed bytes [4 warps, 32 lanes, 16] (one 128-bit load a thread), its scales [4, 32, 4]
+    """Tile `tile`'s packed words [4 warps, 32 lanes, 4] (int32: one 128-bit load a thread), its scales [4, 32, 4]
     (bf16, a thread's two rows x two groups) and zero words [4, 32] (those four zero nibbles)."""
-    LT: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [4, 1, 1], [2, 1, 0])
-    LS: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [4, 1, 1], [2, 1, 0])
-    w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, LT)))
-    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, LT)))
-    r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, LT)))
-    t_off = w[:, None, None] * 512 + lane[None, :, None] * 16 + r[None, None, :]
-    t = gl.load(q_ptr + tile * 2048 + t_off)
-    ws = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, LS)))
-    quad = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, LS))) // 4  # lanes 4q..4q+3 share
-    j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LS)))
-    s = gl.load(s_ptr + tile * 128 + ws[:, None, None] * 32 + quad[None, :, None] * 4 + j[None, None, :])
-    zw = gl.load(z_ptr + tile * 32 + ws[:, None] * 8 + quad[None, :])
+    LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [4, 1, 1], [2, 1, 0])
+    w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, LW)))
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))
+    j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
+    t = gl.load(q_ptr + tile * 512 + w[:, None, None] * 128 + lane[None, :, None] * 4 + j[None, None, :])
+    quad = lane // 4  # lanes 4q..4q+3 share their scales and zero points
+    s = gl.load(s_ptr + tile * 128 + w[:, None, None] * 32 + quad[None, :, None] * 4 + j[None, None, :])
+    zw = gl.load(z_ptr + tile * 32 + w[:, None] * 8 + quad[None, :])
     return t, s, zw
+
+
+# A packed word to eight bf16 values (four bf16x2 pairs, each one wgmma A register): the pair p of nibbles at bits
+# 4p and 16 + 4p, or'd into 128.0's mantissa, is (128 + q0, 128 + q1) exactly (lop3); + -(128 + z) is q - z
+# exactly, times the scale one rounding (two bf16x2 FMAs). Pairs 0 and 2 are the thread's first row (scale $9,
+# zero $11), 1 and 3 its second (+8: $10, $12).
+_INT4_WORD = gl.constexpr(
+    """{ .reg .b32 t, u, one, mz; mov.b32 one, 0x3F803F80; mov.b32 mz, 0x80008000;
+"""
+    + "".join(
+        f"""    {"mov.b32 u, $8;" if p == 0 else f"shr.u32 u, $8, {4 * p};"}
+    lop3.b32 t, u, 0x000F000F, 0x43004300, 0xEA;
+    fma.rn.bf16x2 t, t, one, ${11 + p % 2};
+    fma.rn.bf16x2 t, t, ${9 + p % 2}, mz;
+    mov.b32 {{${2 * p}, ${2 * p + 1}}}, t;
+"""
+        for p in range(4)
+    )
+    + "}"
+)
+
+
+@gluon.jit
+def _pairs(x, LW5: gl.constexpr):
+    """[4, 32, 4] 16-bit values, a thread's (group c, row a) at 2c + a, as bf16x2 words of two equal halves for
+    each of its packed words [4, 8, 4, c, j0] (LW5): (row 0, row 1)."""
+    v = x.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    v = gl.convert_layout((v | (v << 16)).reshape([4, 8, 4, 2, 2]), LW5, assert_trivial=True)
+    r0, r1 = gl.split(v)
+    r0 = gl.convert_layout(r0, gl.SliceLayout(4, LW5), assert_trivial=True)
+    r1 = gl.convert_layout(r1, gl.SliceLayout(4, LW5), assert_trivial=True)
+    return (
+        gl.expand_dims(r0, 4).broadcast_to([4, 8, 4, 2, 2]),
+        gl.expand_dims(r1, 4).broadcast_to([4, 8, 4, 2, 2]),
+    )
 
 
 @gluon.jit
 def _decode_int4(t, s, zw, DOT: gl.constexpr):
     """`_load_int4`'s tile as bf16 in wgmma's A layout DOT [64, 64]: (q - z) * s rounded once, as
-    `formats.decode` (the bf16-pair PTX of triton_moe, `_INT4_LO` / `_INT4_HI`)."""
-    LS: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [4, 1, 1], [2, 1, 0])
-    # dims (warp, quad, lane % 4, r3, r2, r1, r0): byte r = 8 r3 + 4 r2 + 2 r1 + r0 of a thread
-    L7: gl.constexpr = gl.BlockedLayout(
-        [1, 1, 1, 2, 2, 2, 2], [1, 8, 4, 1, 1, 1, 1], [4, 1, 1, 1, 1, 1, 1], [6, 5, 4, 3, 2, 1, 0]
+    `formats.decode` (`_INT4_WORD`, in the registers wgmma reads)."""
+    LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [4, 1, 1], [2, 1, 0])
+    # dims (warp, quad, lane % 4, j1, j0): word 2 j1 + j0 of a thread, inputs 32 j1 + 16 j0 + ...
+    LW5: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2, 2], [1, 8, 4, 1, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
+    z = (zw.to(gl.int32)[:, :, None] >> (4 * j)[None, None, :]) & 15  # group c, row a at nibble 2c + a
+    nz0, nz1 = _pairs((z | 0xC300).to(gl.int16), LW5)  # -(128 + z) in bf16, exactly
+    s0, s1 = _pairs(s, LW5)
+    t = gl.convert_layout(t.reshape([4, 8, 4, 2, 2]), LW5, assert_trivial=True)
+    v = gl.inline_asm_elementwise(
+        _INT4_WORD, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [t, s0, s1, nz0, nz1], (gl.bfloat16,) * 8, True, 1
     )
-    SL: gl.constexpr = gl.SliceLayout(4, gl.SliceLayout(5, L7))  # (warp, quad, lane % 4, r3, r0)
-    j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LS)))
-    z = (zw.to(gl.int32)[:, :, None] >> (4 * j)[None, None, :]) & 15  # group r3, row r0 at nibble 2 r3 + r0
-    nz = (z | 0xC300).to(gl.int16).to(gl.bfloat16, bitcast=True)  # -(128 + z), exactly
-    nz = gl.convert_layout(nz.reshape([4, 8, 4, 2, 2]), SL, assert_trivial=True)
-    s = gl.convert_layout(s.reshape([4, 8, 4, 2, 2]), SL, assert_trivial=True)
-    nz = gl.expand_dims(gl.expand_dims(nz, 4), 5).broadcast_to([4, 8, 4, 2, 2, 2, 2])
-    s = gl.expand_dims(gl.expand_dims(s, 4), 5).broadcast_to([4, 8, 4, 2, 2, 2, 2])
-    t = gl.convert_layout(t.reshape([4, 8, 4, 2, 2, 2, 2]), L7, assert_trivial=True)
-    lo = gl.inline_asm_elementwise(_INT4_LO, "=r,=r,r,r,r,r,r", [t, nz, s], gl.bfloat16, True, 4)
-    hi = gl.inline_asm_elementwise(_INT4_HI, "=r,=r,r,r,r,r,r", [t, nz, s], gl.bfloat16, True, 4)
-    # (warp, quad, l, r3, r2, r1, r0, nibble) -> row 16 warp + 8 r0 + quad, input 32 r3 + 16 r2 + 8 r1 + 2 l + nibble
-    w = gl.permute(gl.join(lo, hi), [0, 6, 1, 3, 4, 5, 2, 7]).reshape([64, 64])
+    # v[2p + b], pair p = n3 + 2 k3, b the pair's half: row + 8 n3, input + 8 k3 + b. Each join adds the fastest
+    # register dimension: (..., k3, n3, b), b fastest, as wgmma's registers (k0, n3, k3, k4, k5)
+    w = gl.join(
+        gl.join(gl.join(v[0], v[4]), gl.join(v[2], v[6])), gl.join(gl.join(v[1], v[5]), gl.join(v[3], v[7]))
+    )
+    # (warp, q, l, j1, j0, k3, n3, b) -> row 16 warp + 8 n3 + q, input 32 j1 + 16 j0 + 8 k3 + 2 l + b
+    w = gl.permute(w, [0, 6, 1, 3, 4, 5, 2, 7]).reshape([64, 64])
     return gl.convert_layout(w, DOT, assert_trivial=True)
 
 
@@ -262,7 +294,7 @@ def _launch(
     pdl_on = pdl.enabled(a.device)
     _experts_kernel[(n_exp, n_out // TILE)](
         a,
-        w.data,
+        w.data.view(torch.int32) if w.fmt == "int4" else w.data,
         scale,
         w.zero if w.zero is not None else scale,
         out,

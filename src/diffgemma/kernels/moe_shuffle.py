@@ -6,7 +6,9 @@ as it did.
 Tiles of 64 rows x 64 inputs, stored tile after tile in (expert, row block, input block) order, each one a
 contiguous run: int4 2048 bytes, fp8 4096. Inside a tile, with row n = 16 w + 8 a + q and input
 k = 32 c + 16 d + 8 f + 2 l + b (w, l < 4; q < 8; a, b, c, d, f < 2), thread 4q + l of warp w holds
-  int4: bytes 512 w + 16 (4q + l) + (8c + 4d + 2f + a), value b in the low (0) or high (1) nibble;
+  int4: bytes 512 w + 16 (4q + l) + (8c + 4d + 2b + f), the value of row half a in the low (0) or high (1)
+    nibble: each 32-bit word (c, d) holds its four bf16x2 pairs (a, f), the pair (b = 0, 1) at bits 4p and
+    16 + 4p for p = a + 2f, so that a mask and a shift make one pair (`gluon_moe._INT4_WORD`);
   fp8: bytes 1024 w + 32 (4q + l) + (16c + 8d + 4f + 2a + b).
 int4's scales (bf16), 128 a tile: 32 w + 4 q + 2 c + a (row n's scale of group c); its zero points, 32 16-bit
 words a tile, word 8 w + q holding group c of row 16 w + 8 a + q in bits 4 (2c + a)... (the same four values).
@@ -65,7 +67,7 @@ def shuffle(w: QuantWeight) -> Shuffled:
         scale = w.parts["_scale"].float().contiguous()
         return Shuffled("fp8", (e, r, k), v.contiguous().view(torch.float8_e4m3fn), scale, None)
     q = _tiles(_unpack(w.parts[""])).reshape(e, rb, kb, 4, 2, 8, 2, 2, 2, 4, 2)
-    q = q.permute(0, 1, 2, 3, 5, 9, 6, 7, 8, 4, 10)  # (w, q, l, c, d, f, a, b)
+    q = q.permute(0, 1, 2, 3, 5, 9, 6, 7, 10, 8, 4)  # (w, a, q, c, d, f, l, b) -> (w, q, l, c, d, b, f, a)
     data = (q[..., 0] | (q[..., 1] << 4)).reshape(e, rb, kb, 2048).contiguous()
     g = k // 32
     # groups: [E, R, G] -> (rb, kb, w, q, c, a) with row 16 w + 8 a + q, group 2 kb + c
@@ -88,7 +90,8 @@ def unshuffle(s: Shuffled) -> torch.Tensor:
         v = v.permute(0, 1, 3, 2, 4).reshape(e, r, k).view(torch.float8_e4m3fn)
         return v.float() * s.scale
     q = _unpack(s.data).reshape(e, rb, kb, 4, 8, 4, 2, 2, 2, 2, 2)
-    q = q.permute(0, 1, 2, 3, 9, 4, 6, 7, 8, 5, 10).reshape(e, rb, kb, TILE, TILE)
+    # (w, q, l, c, d, b, f, a) -> (w, a, q, c, d, f, l, b)
+    q = q.permute(0, 1, 2, 3, 10, 4, 6, 7, 9, 5, 8).reshape(e, rb, kb, TILE, TILE)
     q = q.permute(0, 1, 3, 2, 4).reshape(e, r, k).float()
     words = s.zero.to(torch.int32) & 0xFFFF
     z = (words[..., None] >> (4 * torch.arange(4, device=words.device, dtype=torch.int32))) & 15
