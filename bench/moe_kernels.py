@@ -287,19 +287,6 @@ def bench_gluon(fmts: list[str], gate_up, down, g) -> list[dict]:
                     f" {ms_d * 1e3:6.1f} us {tbps(qd.nbytes, ms_d):.2f} TB/s"
                 )
                 row.update(gate_up_ms=ms_g, down_ms=ms_d)
-                if pf != gm.PREFETCH:
-                    continue
-                for nb_per in (
-                    2,
-                    4,
-                ):  # down with the act tile staged in shared memory for nb_per column blocks
-                    ms_s = time_graph(
-                        lambda n=nb_per, w=sd, a=act, out=y, b=bounds: gm.launch_down_staged(a, w, out, b, n)
-                    )
-                    print(
-                        f"    gluon down staged x{nb_per} {ms_s * 1e3:6.1f} us {tbps(qd.nbytes, ms_s):.2f} TB/s"
-                    )
-                    row[f"down_staged{nb_per}_ms"] = ms_s
     return rows
 
 

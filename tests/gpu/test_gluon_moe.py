@@ -84,19 +84,3 @@ def test_gluon_experts_in_cuda_graph(fmt):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, gm.moe_experts_gluon(x, w, ids, sg, sd))
-
-
-@pytest.mark.parametrize("nb_per", [2, 4])
-@pytest.mark.parametrize("fmt", ["int4", "fp8"])
-def test_staged_down_equals_the_plain_one(fmt, nb_per):
-    """down with its act tile staged in shared memory for nb_per column blocks: the same MMAs in the same order,
-    so the same bits."""
-    _, _, _, sd = _weights(fmt)
-    x, _, ids = _inputs(5, 1.5)
-    perm, bounds = tm.sort_pairs(ids, E)
-    act = torch.randn(perm.shape[0], INTER, device=DEV, dtype=torch.bfloat16)
-    want = torch.empty(perm.shape[0], H, device=DEV, dtype=torch.bfloat16)
-    gm._launch(act, sd, want, perm, bounds, 1, False)
-    got = torch.empty_like(want)
-    gm.launch_down_staged(act, sd, got, bounds, nb_per)
-    assert torch.equal(got, want)

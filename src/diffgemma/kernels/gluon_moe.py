@@ -285,93 +285,6 @@ def _experts_kernel(
         m0 += BLOCK_M
 
 
-@gluon.jit
-def _down_staged_kernel(
-    a_ptr,
-    q_ptr,
-    s_ptr,
-    z_ptr,
-    out_ptr,
-    bounds_ptr,
-    stride_an,
-    stride_on,
-    stride_se,
-    K: gl.constexpr,
-    R: gl.constexpr,
-    WFMT: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    PREFETCH: gl.constexpr,
-    PDL: gl.constexpr,
-    NB_PER: gl.constexpr,
-):
-    """down with NB_PER column blocks a program: the act tile of its pairs (all K inputs) is staged in shared
-    memory once and serves every block, where `_experts_kernel` reads it from L2 again for each block."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
-    )
-    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    OL: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
-    X_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 64], gl.bfloat16)
-    TILE_BYTES: gl.constexpr = 2048 if WFMT == _INT4 else 4096
-    KB: gl.constexpr = K // 64
-    RB: gl.constexpr = R // 64
-    e = gl.program_id(0)
-    nb0 = gl.program_id(1) * NB_PER
-    for k0 in gl.static_range(PREFETCH):
-        _prefetch_l2(q_ptr, (e * RB + nb0) * KB + k0, TILE_BYTES)
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], gl.int32, False, 1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], gl.int32, False, 1)
-    start = gl.load(bounds_ptr + e)
-    end = gl.load(bounds_ptr + e + 1)
-    x_all = gl.allocate_shared_memory(gl.bfloat16, [KB, BLOCK_M, 64], X_SMEM)
-    ks = gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
-    m0 = start
-    while m0 < end:
-        pos = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
-        row_ok = pos < end
-        a_rows = a_ptr + pos.to(gl.int64)[:, None] * stride_an + ks[None, :]
-        for ka in gl.static_range(KB):
-            x_all.index(ka).store(gl.load(a_rows + ka * 64, mask=row_ok[:, None], other=0.0))
-        fence_async_shared()
-        for j in range(NB_PER):
-            nb = nb0 + j
-            tile = (e * RB + nb) * KB
-            if WFMT == _FP8:
-                s_rows = gl.load(
-                    s_ptr + e * stride_se + nb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, DOT))
-                )
-                t = _load_fp8(q_ptr, tile)
-            else:
-                t, sc, zw = _load_int4(q_ptr, s_ptr, z_ptr, tile)
-            acc = gl.full([64, BLOCK_M], 0.0, gl.float32, MMA)
-            for kb in range(KB):
-                kn = gl.minimum(kb + 1, KB - 1)
-                if PREFETCH > 0:  # across the next block's first tiles too: its tiles are contiguous
-                    kp = gl.minimum(j * KB + kb + PREFETCH, NB_PER * KB - 1)
-                    _prefetch_l2(q_ptr, (e * RB + nb0) * KB + kp, TILE_BYTES)
-                if WFMT == _INT4:
-                    t_n, sc_n, zw_n = _load_int4(q_ptr, s_ptr, z_ptr, tile + kn)
-                    w = _decode_int4(t, sc, zw, DOT)
-                    t, sc, zw = t_n, sc_n, zw_n
-                else:
-                    t_n = _load_fp8(q_ptr, tile + kn)
-                    w = _decode_fp8(t, s_rows, DOT)
-                    t = t_n
-                acc = warpgroup_mma(w, x_all.index(kb).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[acc])
-            res = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), OL)
-            cols = nb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, OL))
-            opos = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OL))
-            gl.store(
-                out_ptr + opos.to(gl.int64)[None, :] * stride_on + cols[:, None],
-                res,
-                mask=(opos < end)[None, :],
-            )
-        m0 += BLOCK_M
-
-
 def _launch(
     a, w: moe_shuffle.Shuffled, out, perm, bounds, top_k: int, gate_up: bool, prefetch: int = PREFETCH
 ) -> None:
@@ -399,34 +312,6 @@ def _launch(
         BLOCK_M=BLOCK_M,
         PREFETCH=prefetch,
         PDL=pdl_on,
-        launch_pdl=pdl_on,
-        num_warps=4,
-    )
-
-
-def launch_down_staged(
-    a, w: moe_shuffle.Shuffled, out, bounds, nb_per: int, prefetch: int = PREFETCH
-) -> None:
-    """`_down_staged_kernel`: out [N*k, H] = a [N*k, I] @ down[e].T, nb_per column blocks a program."""
-    n_exp, r, k = w.shape
-    pdl_on = pdl.enabled(a.device)
-    _down_staged_kernel[(n_exp, r // TILE // nb_per)](
-        a,
-        w.data.view(torch.int32) if w.fmt == "int4" else w.data,
-        w.scale,
-        w.zero if w.zero is not None else w.scale,
-        out,
-        bounds,
-        a.stride(0),
-        out.stride(0),
-        w.scale.stride(0),
-        K=k,
-        R=r,
-        WFMT=FORMATS[w.fmt],
-        BLOCK_M=BLOCK_M,
-        PREFETCH=prefetch,
-        PDL=pdl_on,
-        NB_PER=nb_per,
         launch_pdl=pdl_on,
         num_warps=4,
     )
