@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from diffgemma.kernels import dispatch
 from diffgemma.kernels import library as fast
 from diffgemma.kernels import torch_ref as ref
 from diffgemma.quant.weight import QuantWeight
@@ -84,3 +85,19 @@ def test_gluon_experts_in_cuda_graph(fmt):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, gm.moe_experts_gluon(x, w, ids, sg, sd))
+
+
+def test_dispatch_takes_gluon_for_int4_denoise_steps():
+    """library.moe_experts: int4 experts at a denoise step on gluon_moe (the shuffled copy made once, kept on the
+    weight); more pairs than its limit, or fp8, on triton_moe."""
+    qg, qd, _, _ = _weights("int4")
+    x, w, ids = _inputs(6)
+    got = fast.moe_experts(x, w, ids, qg, qd)
+    assert "gluon_moe" not in dispatch.failed
+    sg, sd = moe_shuffle.cached(qg), moe_shuffle.cached(qd)
+    assert moe_shuffle.cached(qg) is sg
+    assert torch.equal(got, gm.moe_experts_gluon(x, w, ids, sg, sd))
+    g = torch.Generator(device=DEV).manual_seed(7)
+    xl = torch.randn(4096, H, generator=g, device=DEV, dtype=torch.bfloat16)
+    wl, idsl = torch.softmax(torch.randn(4096, E, generator=g, device=DEV), -1).topk(K, dim=-1)
+    assert torch.equal(fast.moe_experts(xl, wl, idsl, qg, qd), tm.moe_experts_triton(xl, wl, idsl, qg, qd))

@@ -79,6 +79,19 @@ def shuffle(w: QuantWeight) -> Shuffled:
     return Shuffled("int4", (e, r, k), data, s.reshape(e, rb, kb, 128).contiguous(), words.contiguous())
 
 
+def cached(w: QuantWeight) -> Shuffled | None:
+    """`shuffle(w)`, made on the first call and kept on w (a second copy of the experts in memory: the prefill
+    path reads the pack's layout). None while a CUDA graph is being captured and the copy is not made yet: the
+    shuffle must not be recorded into the graph."""
+    got = getattr(w, "_shuffled", None)
+    if got is None:
+        if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        got = shuffle(w)
+        w._shuffled = got  # noqa: SLF001 - a cache on the weight object, not one of its parts
+    return got
+
+
 def unshuffle(s: Shuffled) -> torch.Tensor:
     """The float weight [E, R, K] (fp32) that `s` holds, decoded from the shuffled order (the tests' check)."""
     e, r, k = s.shape
