@@ -36,7 +36,9 @@ from diffgemma.kernels.triton_moe import sort_pairs
 TILE = moe_shuffle.TILE  # rows and inputs of a weight tile
 BLOCK_M = 32  # pairs a program multiplies at once (wgmma's N); a denoise step has ~16 an expert
 MAX_PAIRS_PER_EXPERT = 32  # beyond, `triton_moe` serves (each further block of pairs re-reads the weights)
-PREFETCH = 4  # steps ahead that the weights are prefetched into L2 (0: none)
+# steps ahead that the weights are prefetched into L2 (0: none), by format: fp8 0.435 against 0.466 ms a layer,
+# int4 0.354 against 0.348 (H100; docs/performance.md, "Quantized weights")
+PREFETCH = {"int4": 0, "fp8": 4}
 _INT4 = gl.constexpr(1)
 _FP8 = gl.constexpr(2)
 FORMATS = {"int4": 1, "fp8": 2}
@@ -286,7 +288,7 @@ def _experts_kernel(
 
 
 def _launch(
-    a, w: moe_shuffle.Shuffled, out, perm, bounds, top_k: int, gate_up: bool, prefetch: int = PREFETCH
+    a, w: moe_shuffle.Shuffled, out, perm, bounds, top_k: int, gate_up: bool, prefetch: int | None = None
 ) -> None:
     n_exp, r, k = w.shape
     n_out = r // 2 if gate_up else r
@@ -310,7 +312,7 @@ def _launch(
         GATE_UP=gate_up,
         WFMT=FORMATS[w.fmt],
         BLOCK_M=BLOCK_M,
-        PREFETCH=prefetch,
+        PREFETCH=PREFETCH[w.fmt] if prefetch is None else prefetch,
         PDL=pdl_on,
         launch_pdl=pdl_on,
         num_warps=4,

@@ -67,7 +67,7 @@ def triton_attn_for(q: torch.Tensor):
 def _moe_experts_gluon(x, weights, ids, gate_up: QuantWeight, down: QuantWeight) -> torch.Tensor | None:
     """int4 experts at a denoise step (bf16 activations, up to gluon_moe.MAX_PAIRS_PER_EXPERT pairs an expert) on
     `gluon_moe`'s register-operand kernels and the pre-shuffled copy (`moe_shuffle.cached`): 0.348 against 0.400
-    ms a layer for triton_moe's int4 kernels (docs/performance.md, "Quantized weights"). None where they do not
+    ms a layer (H100) for triton_moe's int4 kernels (docs/performance.md, "Quantized weights"). None where they do not
     serve (then triton_moe); fp8 stays on triton_moe, where the two measured alike."""
     tiles = all(d % 64 == 0 for d in (*gate_up.shape[1:], *down.shape[1:]))  # moe_shuffle's 64 x 64 tiles
     gm = dispatch.triton("gluon_moe", x, fits=x.dtype == torch.bfloat16 and down.fmt == "int4" and tiles)
