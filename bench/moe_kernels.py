@@ -201,6 +201,95 @@ def bench_quant(fmts: list[str], gate_up, down, g) -> list[dict]:
     return rows
 
 
+def _read(parts: list[torch.Tensor]) -> tuple:
+    """A plain read of these tensors' bytes (an amax over each, viewed as int32 where its size allows)."""
+    out = []
+    for t in parts:
+        flat = t.reshape(-1).view(torch.uint8)
+        out.append(flat.view(torch.int32).amax() if flat.numel() % 4 == 0 else flat.amax())
+    return tuple(out)
+
+
+def bench_gluon(fmts: list[str], gate_up, down, g) -> list[dict]:
+    """The register-operand kernels (`gluon_moe`) on the pre-shuffled experts against the quantized Triton kernels'
+    pick (`config_for_weights`), at a denoise step (N=256), uniform and skewed routing, beside a plain read of the
+    same packed bytes (both layouts): the whole call, then each kernel alone, at each L2 prefetch distance.
+    max|diff| and rel against dequantize-then-matmul (the grouped path on the weights dequantized to bf16)."""
+    from diffgemma.kernels import gluon_moe as gm
+    from diffgemma.kernels import moe_shuffle
+
+    rows = []
+    x = torch.randn(N, H, generator=g, device=DEV, dtype=torch.bfloat16)
+    for fmt in fmts:
+        qg, qd = QuantWeight.quantize(gate_up, fmt), QuantWeight.quantize(down, fmt)
+        sg, sd = moe_shuffle.shuffle(qg), moe_shuffle.shuffle(qd)
+        packed = qg.nbytes + qd.nbytes
+        shuffled = sg.nbytes + sd.nbytes
+        parts = [*qg.parts.values(), *qd.parts.values()]
+        read_ms = time_graph(lambda parts=parts: _read(parts))
+        sparts = [t for t in (sg.data, sg.scale, sg.zero, sd.data, sd.scale, sd.zero) if t is not None]
+        sread_ms = time_graph(lambda sparts=sparts: _read(sparts))
+        print(
+            f"\n[gluon {fmt}] packed {packed / 1e9:.3f} GB a layer (shuffled {shuffled / 1e9:.3f} GB); plain read"
+            f" {read_ms:.3f} ms {tbps(packed, read_ms):.2f} TB/s, of the shuffled copy {sread_ms:.3f} ms"
+            f" {tbps(shuffled, sread_ms):.2f} TB/s"
+        )
+        rows.append(dict(fmt=fmt, path="read", bytes=packed, ms=read_ms, tbps=tbps(packed, read_ms)))
+        rows.append(
+            dict(fmt=fmt, path="read_shuffled", bytes=shuffled, ms=sread_ms, tbps=tbps(shuffled, sread_ms))
+        )
+        for scen in ("uniform", "skewed"):
+            w, ids = routing(scen, None, g)
+            counts = torch.bincount(ids.reshape(-1), minlength=E)
+            print(f"  [{scen}] pairs per expert: max {int(counts.max())}")
+            want = library.moe_experts_grouped(x, w, ids, qg.dequantize(x.dtype), qd.dequantize(x.dtype))
+            cfg = tm.config_for_weights(ids.numel(), x, qg)
+            row = dict(fmt=fmt, scenario=scen, path="triton", config=_config_name(cfg), bytes=packed)
+            call = lambda w=w, ids=ids, cfg=cfg, qg=qg, qd=qd: tm.moe_experts_triton(x, w, ids, qg, qd, cfg)  # noqa: E731
+            rows.append(measure(row, f"triton {_config_name(cfg):14s}", call, want, packed))
+            perm, bounds = tm.sort_pairs(ids, E)
+            act = tm.gate_up_act(x, qg, perm, bounds, K, cfg.gate_up)
+            ms_g = time_graph(
+                lambda t=cfg.gate_up, qg=qg, p=perm, b=bounds: tm.gate_up_act(x, qg, p, b, K, t)
+            )
+            ms_d = time_graph(lambda t=cfg.down, qd=qd, a=act, b=bounds: tm.down_sorted(a, qd, b, t))
+            print(
+                f"    triton gate_up {ms_g * 1e3:6.1f} us {tbps(qg.nbytes, ms_g):.2f} TB/s, down"
+                f" {ms_d * 1e3:6.1f} us {tbps(qd.nbytes, ms_d):.2f} TB/s"
+            )
+            row.update(gate_up_ms=ms_g, down_ms=ms_d)
+            for pf in (0, 4, 8):
+                row = dict(fmt=fmt, scenario=scen, path="gluon", prefetch=pf, bytes=packed)
+
+                def call(w=w, ids=ids, pf=pf, sg=sg, sd=sd):
+                    perm, bounds = tm.sort_pairs(ids, E)
+                    a = torch.empty(perm.shape[0], INTER, device=DEV, dtype=x.dtype)
+                    gm._launch(x, sg, a, perm, bounds, K, True, pf)
+                    y = torch.empty(perm.shape[0], H, device=DEV, dtype=x.dtype)
+                    gm._launch(a, sd, y, perm, bounds, 1, False, pf)
+                    return ref.sum_sorted_pairs(y, perm, w).to(x.dtype)
+
+                rows.append(measure(row, f"gluon prefetch {pf}      ", call, want, packed))
+                if "ms" not in row:
+                    continue
+                a = torch.empty(perm.shape[0], INTER, device=DEV, dtype=x.dtype)
+                y = torch.empty(perm.shape[0], H, device=DEV, dtype=x.dtype)
+                ms_g = time_graph(
+                    lambda pf=pf, w=sg, out=a, p=perm, b=bounds: gm._launch(x, w, out, p, b, K, True, pf)
+                )
+                ms_d = time_graph(
+                    lambda pf=pf, w=sd, a=act, out=y, p=perm, b=bounds: gm._launch(
+                        a, w, out, p, b, 1, False, pf
+                    )
+                )
+                print(
+                    f"    gluon gate_up {ms_g * 1e3:6.1f} us {tbps(qg.nbytes, ms_g):.2f} TB/s, down"
+                    f" {ms_d * 1e3:6.1f} us {tbps(qd.nbytes, ms_d):.2f} TB/s"
+                )
+                row.update(gate_up_ms=ms_g, down_ms=ms_d)
+    return rows
+
+
 def sweep_tma_tiles() -> list[tm.Tiles]:
     """The weights through TMA descriptors, 32 x 2 pairs (the best pointer-load shape): N and K blocks,
     stages (within ~200 KB of shared memory for gate_up's two weight tiles and x's), plain or swapped MMA."""
@@ -274,6 +363,11 @@ def main() -> None:
     p.add_argument(
         "--quant-only", action="store_true", help="with --quant: skip the bf16 configs and crossover"
     )
+    p.add_argument(
+        "--gluon",
+        action="store_true",
+        help="with --quant: the register-operand kernels (gluon_moe) against the Triton pick, instead",
+    )
     args = p.parse_args()
 
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -299,7 +393,9 @@ def main() -> None:
         result["crossover"] = bench_crossover(gate_up, down, g)
     if args.sweep:
         result["sweep"] = bench_sweep(gate_up, down, x, g, args.sweep_only, args.tma)
-    if args.quant:
+    if args.quant and args.gluon:
+        result["gluon"] = bench_gluon(args.quant.split(","), gate_up, down, g)
+    elif args.quant:
         result["quant"] = bench_quant(args.quant.split(","), gate_up, down, g)
     if os.environ.get("OUT"):
         path = Path(os.environ["OUT"]) / "moe_kernels.json"

@@ -216,6 +216,38 @@ def _sc_embed_ptx(kernel: str, options: dict) -> str:
     return kernel.asm["ptx"]
 
 
+def _gluon_experts_ptx(fmt: str, gate_up: bool) -> str:
+    """`gluon_moe`'s kernel for sm_90 at the real shape (gate_up [E, 1408, 2816] or down [E, 2816, 704]), its pointer
+    arguments 16-byte aligned as the launcher specializes them."""
+    from triton.backends.compiler import GPUTarget
+
+    gm = pytest.importorskip("diffgemma.kernels.gluon_moe", reason="needs triton with gluon")
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    int4 = fmt == "int4"
+    sig = {"a_ptr": "*bf16", "q_ptr": "*i32" if int4 else "*fp8e4nv", "s_ptr": "*bf16" if int4 else "*fp32"}
+    sig.update(z_ptr="*i16" if int4 else "*fp32", out_ptr="*bf16", perm_ptr="*i64", bounds_ptr="*i32")
+    sig.update(dict.fromkeys(("TOP_K", "stride_an", "stride_on", "stride_se"), "i32"))
+    k, r, n_out = (2816, 1408, 704) if gate_up else (704, 2816, 2816)
+    consts = dict(
+        K=k, R=r, N_OUT=n_out, GATE_UP=gate_up, WFMT=gm.FORMATS[fmt], BLOCK_M=32, PREFETCH=4, PDL=True
+    )
+    aligned = [n for n in sig if n != "TOP_K"]
+    names = [*sig, *consts]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = GluonASTSource(
+        fn=gm._experts_kernel,
+        signature={**sig, **dict.fromkeys(consts, "constexpr")},
+        constexprs=consts,
+        attrs=attrs,
+    )
+    try:
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    except (ImportError, KeyError, RuntimeError) as e:
+        pytest.skip(f"cannot compile for sm_90 here: {type(e).__name__}: {e}")
+    return kernel.asm["ptx"]
+
+
 def test_sc_gather_rounds_each_product_before_the_add():
     # the gather sums its survivors as torch_ref.soft_embedding_survivors does: mul.rn, then add.rn
     from diffgemma.kernels import triton_sc_embed as se
@@ -229,3 +261,28 @@ def test_sc_dense_rows_pipeline_onto_wgmma():
     # the overflow rows' GEMM: operands through cp.async into shared memory, multiplied on wgmma
     ptx = _sc_embed_ptx("dense", {})
     assert "wgmma.mma_async" in ptx and "cp.async" in ptx
+
+
+@pytest.mark.parametrize("gate_up", [True, False])
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_gluon_experts_feed_wgmma_from_registers(fmt, gate_up):
+    # the weights' decoded tile is wgmma's A operand in registers ({%r...}, not a shared-memory descriptor), loaded
+    # 128 bits a thread, and never stored to shared memory or read back by ldmatrix: the kernel's only
+    # shared-memory stores are x's tile (two 128-bit stores a thread), the B operand (the output's transpose goes
+    # through stmatrix)
+    ptx = _gluon_experts_ptx(fmt, gate_up)
+    mmas = re.findall(
+        r"wgmma\.mma_async\.sync\.aligned\.m64n32k16\.f32\.bf16\.bf16 \{[^}]*\}, \{([^}]*)\}", ptx
+    )
+    assert len(mmas) == (8 if gate_up else 4)  # 4 k16 steps a 64-input tile, gate and up
+    assert all(len(a.split(",")) == 4 for a in mmas)  # A: four b32 registers (8 bf16) a thread
+    assert "ldmatrix" not in ptx and len(re.findall(r"st\.shared", ptx)) == 2
+    assert len(re.findall(r"ld\.global\S*\.v4", ptx)) >= (4 if gate_up else 2)
+    if fmt == "int4":  # each bf16x2 pair of a packed word made by a mask (128.0 | nibbles) and two FMAs
+        assert len(re.findall(r"lop3\.b32 t, u, 0x000F000F, 0x43004300", ptx)) == (32 if gate_up else 16)
+        assert re.search(r"fma\.rn\.bf16x2", ptx)
+    # PDL: only L2 prefetches of the weights (which no kernel writes) come before the wait
+    body = ptx[ptx.index(".entry") :]
+    before = body[: body.index("griddepcontrol.wait")]
+    assert "prefetch.global.L2" in before
+    assert not re.search(r"\b(ld\.global|st\.global|cp\.async|atom)", before)

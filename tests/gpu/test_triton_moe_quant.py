@@ -20,6 +20,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 tm = pytest.importorskip("diffgemma.kernels.triton_moe", reason="needs triton")
+gm = pytest.importorskip("diffgemma.kernels.gluon_moe", reason="needs triton with gluon")
+from diffgemma.kernels import moe_shuffle  # noqa: E402
+
 DEV = "cuda"
 N, K, E, H, INTER = 256, 8, 128, 2816, 704
 PREFILL_N = 4096
@@ -122,8 +125,12 @@ def test_dispatch_takes_triton_for_quantized_experts(fmt):
         assert fast.triton_moe_for(x, ids.numel(), gate_up) is tm
         assert tm.config_for_weights(ids.numel(), x, gate_up) is tm.CONFIGS[want_cfg]
         got = fast.moe_experts(x, w, ids, gate_up, down)
-        assert "triton_moe" not in dispatch.failed
-        assert torch.equal(got, tm.moe_experts_triton(x, w, ids, gate_up, down, tm.CONFIGS[want_cfg]))
+        assert "triton_moe" not in dispatch.failed and "gluon_moe" not in dispatch.failed
+        if fmt == "int4" and n == N:  # a denoise step's int4 experts: gluon_moe on the shuffled copy
+            want = gm.moe_experts_gluon(x, w, ids, moe_shuffle.cached(gate_up), moe_shuffle.cached(down))
+        else:
+            want = tm.moe_experts_triton(x, w, ids, gate_up, down, tm.CONFIGS[want_cfg])
+        assert torch.equal(got, want)
     x, w, ids = _inputs(6, dtype=torch.float32)
     assert tm.config_for_weights(ids.numel(), x, gate_up) is tm.CONFIGS[tm.QUANT_CONFIG[fmt]]
     assert fast.triton_moe_for(x, ids.numel(), gate_up) is tm
@@ -144,4 +151,6 @@ def test_quant_in_cuda_graph(fmt):
             buf.copy_(val)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, tm.moe_experts_triton(x, w, ids, gate_up, down))
+        assert torch.equal(
+            out, fast.moe_experts(x, w, ids, gate_up, down)
+        )  # int4: gluon_moe, fp8: triton_moe

@@ -67,6 +67,25 @@ def triton_attn_for(q: torch.Tensor):
     return dispatch.triton("triton_attn", q, fits=fits)
 
 
+def _moe_experts_gluon(x, weights, ids, gate_up: QuantWeight, down: QuantWeight) -> torch.Tensor | None:
+    """int4 experts at a denoise step (bf16 activations, up to gluon_moe.MAX_PAIRS_PER_EXPERT pairs an expert) on
+    `gluon_moe`'s register-operand kernels and the pre-shuffled copy (`moe_shuffle.cached`): 0.348 against 0.400
+    ms a layer (H100) for triton_moe's int4 kernels (docs/performance.md, "Quantized weights"). None where they do not
+    serve (then triton_moe); fp8 stays on triton_moe, where the two measured alike."""
+    tiles = all(d % 64 == 0 for d in (*gate_up.shape[1:], *down.shape[1:]))  # moe_shuffle's 64 x 64 tiles
+    gm = dispatch.triton("gluon_moe", x, fits=x.dtype == torch.bfloat16 and down.fmt == "int4" and tiles)
+    if gm is None or ids.numel() > gm.MAX_PAIRS_PER_EXPERT * gate_up.shape[0]:
+        return None
+
+    def call(m):
+        from diffgemma.kernels import moe_shuffle
+
+        sg, sd = moe_shuffle.cached(gate_up), moe_shuffle.cached(down)
+        return None if sg is None or sd is None else m.moe_experts_gluon(x, weights, ids, sg, sd)
+
+    return dispatch.attempt("gluon_moe", call, x)
+
+
 def moe_experts(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
@@ -75,6 +94,10 @@ def moe_experts(
     chunks up to TRITON_MAX_PAIRS_PER_EXPERT; otherwise `moe_experts_grouped`. Both round the same way; they
     differ only in fp32 accumulation order. The weights may be narrower than x (bf16 experts, fp32
     activations): the result is computed in x's dtype."""
+    if isinstance(gate_up, QuantWeight) and gate_up.fmt == "int4":
+        out = _moe_experts_gluon(x, weights, ids, gate_up, down)
+        if out is not None:
+            return out
     tm = triton_moe_for(x, ids.numel(), gate_up)
     if tm is not None:
         out = dispatch.attempt(
