@@ -325,9 +325,13 @@ class Terminal:
     def __init__(self, model) -> None:
         import os
         import pty
+        import signal
 
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: the pty is its controlling terminal and stdin/stdout/stderr
+            # Ctrl-C as a shell's child gets it: pytest-xdist's workers ignore SIGINT, and an ignored SIGINT is
+            # inherited (Python then installs no KeyboardInterrupt handler)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execv(sys.executable, [sys.executable, "-m", "diffgemma.cli", "chat", "-m", str(model)])
         self.seen = ""
 
