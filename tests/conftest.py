@@ -49,3 +49,41 @@ def tiny(request) -> Path:
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative error of a against b: the norm of their difference over b's, in fp64."""
     return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+# The files whose tests take the most CPU (seconds on the 2-core machine, 2026-12-05), run first: pyproject's
+# `--dist worksteal` hands each worker half the collection and lets an idle one take the other's unstarted tail, so
+# with the long tests first both workers finish on short ones instead of one waiting on the other's last long test.
+# Each file's tests stay together and in order (their module fixtures are built once a worker).
+SLOW_FIRST = (
+    "test_triton_moe_quant_interpret.py",  # 45: the quantized MoE kernels under Triton's interpreter
+    "test_train_forward.py",  # 43: a torch.compile'd layer, forward and backward
+    "test_fast_kernels.py",  # 40: the prefill regions compiled
+    "test_bench.py",  # 74: bench runs, two under torchrun
+    "test_expert_parallel.py",  # 41: torchrun over 2 and 4 processes
+    "test_triton_interpret.py",  # 38
+    "test_cli.py",  # 44: subprocesses
+    "test_scheduler.py",  # 28
+    "test_readme.py",  # 23
+    "server/test_concurrent_conversations.py",  # 23: 32 clients x 3 turns, twice
+    "test_quant.py",  # 20
+    "session/test_golden.py",  # 19
+    "chat/test_control_token_splits.py",  # 18
+    "server/test_security.py",  # 16
+    "test_train_run.py",  # 12
+    "session/test_oplog.py",  # 12
+    "server/test_data_parallel.py",  # 10
+    "test_triton_topk_interpret.py",  # 9
+)
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    tests = Path(__file__).resolve().parent
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+
+    def key(item) -> int:
+        path = Path(str(item.fspath)).resolve()
+        rel = path.relative_to(tests).as_posix() if path.is_relative_to(tests) else ""
+        return rank.get(rel, len(SLOW_FIRST))
+
+    items.sort(key=key)  # stable: the other files, and each file's tests, keep their collection order

@@ -150,6 +150,29 @@ def test_usage_errors_are_one_line_too(model):
         assert msg in lines[0] and f"(see `{where} --help`)" in lines[0]
 
 
+def test_help_and_the_errors_found_before_loading_do_not_import_torch(model, tmp_path):
+    """`import diffgemma`, the help and the errors found before a model loads skip torch's import (over a second
+    of CPU each: the package's torch-backed names load on first use)."""
+    show = "import sys; print('torch' in sys.modules)"
+    run_cli = "import runpy, sys\ntry:\n    runpy.run_module('diffgemma.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+    for code, args in (
+        ("import diffgemma\n", ()),
+        (run_cli, ("--help",)),
+        (run_cli, ("ask", "-m", str(tmp_path / "missing"), "-p", "hi")),
+        (run_cli, ("serve", "-m", str(model), "--port", "99999")),
+    ):
+        proc = subprocess.run([sys.executable, "-c", code + show, *args], capture_output=True, text=True)
+        assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "False", (
+            args,
+            proc.stdout,
+            proc.stderr,
+        )
+    proc = subprocess.run(  # and the names that need it load it when used
+        [sys.executable, "-c", f"import diffgemma; diffgemma.load; {show}"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr
+
+
 def test_ctrl_c_cancels_the_reply_not_the_session(model):
     import os
     import signal
@@ -302,14 +325,18 @@ class Terminal:
     def __init__(self, model) -> None:
         import os
         import pty
+        import signal
 
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: the pty is its controlling terminal and stdin/stdout/stderr
+            # Ctrl-C as a shell's child gets it: pytest-xdist's workers ignore SIGINT, and an ignored SIGINT is
+            # inherited (Python then installs no KeyboardInterrupt handler)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execv(sys.executable, [sys.executable, "-m", "diffgemma.cli", "chat", "-m", str(model)])
         self.seen = ""
 
-    def expect(self, text: str, timeout: float = 120) -> str:
-        """Read until `text` has appeared (after what earlier calls consumed); returns what was read."""
+    def shows(self, text: str, timeout: float) -> bool:
+        """Whether `text` appears (after what earlier calls consumed) within `timeout` seconds; consumes nothing."""
         import os
         import select
         import time
@@ -317,13 +344,19 @@ class Terminal:
         end = time.monotonic() + timeout
         while text not in self.seen:
             ready, _, _ = select.select([self.fd], [], [], max(0.0, end - time.monotonic()))
-            assert ready, f"no {text!r} within {timeout} s; the terminal shows {self.seen!r}"
+            if not ready:
+                return False
             try:
                 chunk = os.read(self.fd, 4096).decode(errors="replace")
             except OSError:  # EIO: the child has closed the terminal
                 chunk = ""
             assert chunk, f"chat ended before {text!r}; the terminal shows {self.seen!r}"
             self.seen += chunk
+        return True
+
+    def expect(self, text: str, timeout: float = 120) -> str:
+        """Read until `text` has appeared (after what earlier calls consumed); returns what was read."""
+        assert self.shows(text, timeout), f"no {text!r} within {timeout} s; the terminal shows {self.seen!r}"
         upto = self.seen.index(text) + len(text)
         read, self.seen = self.seen[:upto], self.seen[upto:]
         return read
@@ -368,9 +401,13 @@ def test_chat_ctrl_c_at_the_prompt_does_not_quit_and_a_bad_seed_says_why(model):
     term = Terminal(model)
     term.expect(">>> ")
     # readline writes the prompt before it waits on the terminal: a SIGINT between the two only sets Python's flag
-    # and the wait goes on until a key comes (a person is never that quick), so let it reach the wait first
+    # and the wait goes on until a key comes (a person is never that quick). So let it reach the wait first, and
+    # on a loaded machine, where it may not have, press Ctrl-C again: a SIGINT during the wait ends it.
     time.sleep(1.0)
-    os.kill(term.pid, signal.SIGINT)  # Ctrl-C at the idle prompt
+    for _ in range(12):
+        os.kill(term.pid, signal.SIGINT)  # Ctrl-C at the idle prompt
+        if term.shows("/quit or Ctrl-D", 5.0):
+            break
     assert "/quit or Ctrl-D" in term.expect(">>> ")  # a new prompt: the REPL is still there
     term.send("/seed abc\n")
     assert "/seed takes an integer, got 'abc'; the seed stays 42" in term.expect(">>> ")

@@ -53,11 +53,13 @@ def openmp_spin(code: str, **env: str) -> tuple[str, int]:
     return proc.stdout.strip(), int(found.group(1))
 
 
-def test_the_cli_and_import_diffgemma_start_torchs_openmp_with_sleeping_threads() -> None:
+def test_the_cli_and_import_diffgemma_start_torchs_openmp_with_sleeping_threads(tiny_a) -> None:
     show = "from diffgemma.runner.devices import OMP_WAIT_POLICY; print(OMP_WAIT_POLICY)"
     assert openmp_spin(f"import diffgemma, torch; {show}") == ("PASSIVE", 0)
-    # the command line: `python -m diffgemma.cli` imports the package, which sets it, before torch
-    cli = "import runpy, sys; sys.argv = ['diffgemma', '--help']; runpy.run_module('diffgemma.cli', run_name='__main__')"
+    # the command line: `python -m diffgemma.cli` imports the package, which sets it, before a command that loads a
+    # model imports torch (its help and argument errors import none)
+    ask = ["diffgemma", "ask", "-m", str(tiny_a), "-p", "hi", "--max-tokens", "1"]
+    cli = f"import runpy, sys; sys.argv = {ask!r}; runpy.run_module('diffgemma.cli', run_name='__main__')"
     assert openmp_spin(cli)[1] == 0
     # a user's own policy is kept
     out, spin = openmp_spin(f"import diffgemma; {show}", OMP_WAIT_POLICY="ACTIVE")

@@ -69,7 +69,11 @@ def _check_moe_quant() -> None:
         dq16 = qg.dequantize(torch.bfloat16).double(), qd.dequantize(torch.bfloat16).double()
         want = ref.moe_experts(x.double(), weights.double(), ids, *dq16)
         exact = ref.moe_experts(x.double(), weights.double(), ids, dq[0].double(), dq[1].double())
+        ran: list[tm.MoeConfig] = []
         for name in names:
+            if configs[name] in ran:  # the same tiles under another name (bf16_prefill is q_prefill_tma)
+                continue
+            ran.append(configs[name])
             got = tm.moe_experts_triton(x, weights, ids, qg, qd, configs[name])
             assert got.dtype == torch.float32 and got.shape == (n, h)
             assert _rel(got, want) < 3e-2, (fmt, name, _rel(got, want))

@@ -11,9 +11,24 @@ if "torch" not in _sys.modules:
 from pathlib import Path
 
 from diffgemma.config import ModelConfig, RuntimeConfig, SamplerConfig
-from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo
-from diffgemma.session.client import Engine, Session, load
 from diffgemma.version import __version__
+
+# The names that need torch load on first use (PEP 562): `import diffgemma`, and the command line's help and the
+# errors it finds before loading a model, skip torch's import (over a second of CPU: issue 57's one-line errors)
+_FROM_ENGINE = ("CancelToken", "GenerateOutput", "StepInfo")
+_FROM_SESSION = ("Engine", "Session", "load")
+
+
+def __getattr__(name: str):
+    if name in _FROM_ENGINE:
+        from diffgemma.engine import generate as module
+    elif name in _FROM_SESSION:
+        from diffgemma.session import client as module
+    else:
+        raise AttributeError(f"module 'diffgemma' has no attribute {name!r}")
+    value = getattr(module, name)
+    globals()[name] = value  # later lookups find it without this function
+    return value
 
 
 def demo_model() -> Path:

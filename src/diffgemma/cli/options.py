@@ -51,14 +51,12 @@ class CliError(Exception):
 @contextmanager
 def one_line_errors() -> Iterator[None]:
     """Turn the errors a user can cause into one line on stderr and a non-zero exit, never a traceback."""
-    from diffgemma.config import ConfigError
-    from diffgemma.weights.loader import CheckpointError
-
+    # ValueError covers ConfigError and the loader's CheckpointError (importing that module would import torch)
     try:
         yield
     except CliError as e:
         _die(str(e), e.code)
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError, TypeError, OSError) as e:
+    except (ValueError, TypeError, OSError) as e:
         _die(str(e), 1)
 
 

@@ -27,13 +27,14 @@ def load_engine(
     The engine's `max_tokens` is the context: --ctx, else CHAT_CONTEXT capped at the model's positions."""
     import diffgemma
     from diffgemma.config import ModelConfig, load_runtime_config
-    from diffgemma.runner.devices import check_device
     from diffgemma.weights.download import resolve_model
 
     if ctx is not None and ctx <= 0:
         raise CliError(f"--ctx must be positive, got {ctx}", 2)
     runtime = load_runtime_config(device=device, dtype=dtype, threads=threads).replace(compile=compile)
     if runtime.device:  # a device this torch cannot run on is said before the model line, as the only line
+        from diffgemma.runner.devices import check_device  # torch: not for the errors found before this
+
         check_device(runtime.device)
     path = resolve_model(model)
     _stderr(f"model {path}")

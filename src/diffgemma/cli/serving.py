@@ -79,17 +79,18 @@ def serve(
     from diffgemma.weights.download import resolve_model
 
     with one_line_errors():
-        from diffgemma.runner.devices import check_device
-        from diffgemma.server import serve as run_server
-
         if not 0 <= port <= 65535:
             raise CliError(f"--port must be 0 to 65535, got {port}", 2)
         if device:
+            from diffgemma.runner.devices import check_device
+
             check_device(device)
         if data_parallel == 1:  # a taken port or bad host said now, not after the model has loaded
             _check_listen(host, port)
         path = resolve_model(model)
         _stderr(f"model {path}")
+        from diffgemma.server import serve as run_server  # torch and the web stack: after the cheap checks
+
         run_server(
             path,
             host=host,

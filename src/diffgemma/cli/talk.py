@@ -47,8 +47,6 @@ def ask(
     tool_repair: bool = TOOL_REPAIR,
 ) -> None:
     """Answer one prompt, streaming the reply as blocks commit."""
-    from diffgemma.session.client import Session
-
     with one_line_errors():
         text = sys.stdin.read() if prompt == "-" else prompt
         if not text.strip():
@@ -57,6 +55,8 @@ def ask(
         # one reply: compiling would cost more than it saves (docs/performance.md, "torch.compile and warm-up")
         engine = load_engine(model, device, dtype, ctx, threads, compile=False)
         ids = _prompt_ids(engine, text, raw, think)
+        from diffgemma.session.client import Session  # torch: after the errors that need none
+
         session = Session(engine, log=log, tool_validate=tool_validate, tool_repair=tool_repair)
         out, wall = stream_reply(
             engine, session.generate, ids, json_out, max_new_tokens=max_tokens, seed=seed
@@ -84,13 +84,13 @@ def chat(
     tool_repair: bool = TOOL_REPAIR,
 ) -> None:
     """Interactive chat with history; only each new turn is prefilled (the KV cache is reused)."""
-    from diffgemma.session.client import Session
-
     with one_line_errors():
         _check_log(log)
         engine = load_engine(model, device, dtype, ctx, threads)
         if engine.tokenizer is None:
             raise CliError(f"{engine.path} has no tokenizer.json")
+        from diffgemma.session.client import Session  # torch: after the errors that need none
+
         conv = Session(engine, log=log, tool_validate=tool_validate, tool_repair=tool_repair)
         messages: list[dict[str, Any]] = []
         tty = sys.stdin.isatty()
