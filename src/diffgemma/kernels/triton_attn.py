@@ -125,6 +125,7 @@ def _combine_kernel(
     o_ptr,
     M,
     T,
+    stride_ob,
     stride_oh,
     stride_og,
     stride_ot,
@@ -136,6 +137,12 @@ def _combine_kernel(
     pdl.start(PDL)
     head = tl.program_id(1)
     heads = tl.num_programs(1)
+    # canvas b of a ragged call (`triton_attn_ragged`): its splits' partials, then its own output rows
+    b = tl.program_id(2).to(tl.int64)
+    acc_ptr += b * SPLITS * heads * M * D
+    max_ptr += b * SPLITS * heads * M
+    sum_ptr += b * SPLITS * heads * M
+    o_ptr += b * stride_ob
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < M
     ds = tl.arange(0, D)
@@ -285,6 +292,7 @@ def attention_splitkv(
         dst,
         m_rows,
         dst.shape[2],
+        0,
         dst.stride(0),
         dst.stride(1),
         dst.stride(2),

@@ -30,6 +30,9 @@ class Pass:
     # row's `KVCache.denoise_geometry` (int32 [B, 5]) and the keys its full layers attend over (a bucket of them).
     geometry: torch.Tensor | None = None
     full_keys: list[int] | None = None
+    # The fast kernels' batched denoise: each row's cache's layer buffers as the ragged attention reads them,
+    # int64 [layers, B, 2] on the device (`triton_attn_ragged.kv_table`); made by the runner outside a graph
+    kv_tables: torch.Tensor | None = None
     window_bias: torch.Tensor | None = None  # PREFILL on the fast kernels: the sliding layers' mask
     masks: dict[bool, torch.Tensor] | None = None  # TRAIN: [B, 1, T, T] True = attend, by `sliding`
     is_prompt: torch.Tensor | None = None  # TRAIN: [1, T, 1] True on prompt slots (the encoder's scalar)
@@ -68,6 +71,7 @@ class Pass:
         geometry: torch.Tensor | None = None,
         full_keys: list[int] | None = None,
         phase: str = DENOISE,
+        kv_tables: torch.Tensor | None = None,
     ) -> Pass:
         """A canvas of c tokens a row after each cache. With `geometry` (a device buffer [B, 5] holding each
         cache's `denoise_geometry(c)`, as a CUDA graph reads it) the positions are computed from it on the
@@ -78,7 +82,9 @@ class Pass:
             positions = (geometry[:, :1] + torch.arange(c, device=device)).reshape(-1)
         else:
             positions = torch.cat([torch.arange(s, s + c, device=device) for s in starts])
-        return cls(phase, caches, c, positions, starts, geometry=geometry, full_keys=full_keys)
+        return cls(
+            phase, caches, c, positions, starts, geometry=geometry, full_keys=full_keys, kv_tables=kv_tables
+        )
 
     @classmethod
     def train(

@@ -37,6 +37,15 @@ class Routing(NamedTuple):
     slot: torch.Tensor  # [N * k]: its inverse
 
 
+def kv_tables(caches: list) -> torch.Tensor:
+    """Each cache's layer buffers as the ragged attention reads them: int64 [layers, B, 2] (address, slots), on the
+    host (`triton_attn_ragged.kv_table`, without importing triton)."""
+    return torch.tensor(
+        [[[kv.kv[i].data_ptr(), kv.kv[i].shape[2]] for kv in caches] for i in range(len(caches[0].kv))],
+        dtype=torch.int64,
+    )
+
+
 def _split_qkv(qkv: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The merged q/k/v GEMM's output [N, ...] as q [N, H, d], the raw K [N, Hkv, d] and V [N, Hkv, d] (None on a
     full layer, whose V is the raw K)."""
@@ -288,8 +297,38 @@ class FastSteps(Steps):
     def attention(self, q, kv, layer, p: Pass, window: int):
         if p.phase == PREFILL:
             return self._prefill_attention(q, kv, layer, p.caches[0], p, window)
+        if p.batch > 1 and p.phase == DENOISE and layer.sliding:
+            out = self._ragged_attention(q, layer, p)
+            if out is not None:
+                return out
         outs = [self._canvas_attention(q[i : i + 1], layer, p, i, window) for i in range(p.batch)]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _ragged_attention(self, q, layer, p: Pass) -> torch.Tensor | None:
+        """A sliding layer's denoise attention of all of the pass's canvases in one launch, each after its own
+        cache (`triton_attn_ragged`: the sums of each canvas's lone call), as o_proj's rows [B*T, H*d]; None
+        where it cannot serve (off CUDA, fp32, caches of unlike windows): then canvas by canvas."""
+        b, h, t, d = q.shape
+        n_max = p.caches[0].denoise_key_slots(t)
+        if library.triton_attn_for(q) is None or any(kv.denoise_key_slots(t) != n_max for kv in p.caches):
+            return None
+        hkv = layer.n_kv
+        rows = torch.empty(b * t, h, d, device=q.device, dtype=q.dtype)
+        out = rows.view(b, t, hkv, h // hkv, d).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, T, d]
+        qf = q.reshape(b, hkv, (h // hkv) * t, d)
+        table = self._kv_tables(p)[layer.idx]
+        geo = self._geometry(p)
+        done = dispatch.attempt(
+            "triton_attn_ragged", lambda m: m.attention_ragged(qf, table, geo, n_max, hkv, out), q
+        )
+        return None if done is None else rows.view(b * t, h * d)
+
+    @staticmethod
+    def _kv_tables(p: Pass) -> torch.Tensor:
+        """The pass's `kv_tables`: the runner's buffer (what its CUDA graph reads), else made here."""
+        if p.kv_tables is None:
+            p.kv_tables = kv_tables(p.caches).to(p.caches[0].device)
+        return p.kv_tables
 
     def _canvas_attention(self, q, layer, p: Pass, row: int, window: int) -> torch.Tensor:
         """One row's canvas over its cache (denoise: unmasked; commit: causal), as o_proj's rows [T, H*d]."""
