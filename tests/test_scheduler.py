@@ -12,6 +12,7 @@ import torch
 
 import diffgemma
 from diffgemma.config import RuntimeConfig
+from diffgemma.engine import batch
 from diffgemma.engine.batch import Request, Scheduler
 from diffgemma.engine.generate import CancelToken, Canvas, generate
 from diffgemma.model.steps import Steps
@@ -87,6 +88,11 @@ def test_a_mixed_batch_gives_every_request_its_solo_tokens_and_cache(eng, monkey
     monkeypatch.setattr(
         eng.runner, "commit_many", lambda items: (commits.append(len(items)), commit_many(items))
     )
+    shared = []  # row passes over several canvases' rows: rows a pass
+    row_stats = batch.row_stats
+    monkeypatch.setattr(
+        batch, "row_stats", lambda logits, *a: (shared.append(logits.shape[0]), row_stats(logits, *a))[1]
+    )
     sched = Scheduler(eng.runner, max_batch=8)
     reqs = []
     for ids, cfg, seed, max_new, cancel_after in mix:
@@ -105,6 +111,7 @@ def test_a_mixed_batch_gives_every_request_its_solo_tokens_and_cache(eng, monkey
         assert r.turn.kv.fingerprint() == fingerprint
     assert reqs[6].turn.out.finish_reason == "cancelled"
     assert (max(commits) >= 2) if eng.runner.fast else not commits
+    assert shared and max(shared) >= 2 * eng.runner.cfg.canvas_length  # one row pass for several canvases
     assert (
         sum(len(r.turn.out.token_ids) > 16 for r in reqs) >= 3
     )  # several blocks, committed while others denoise

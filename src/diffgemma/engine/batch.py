@@ -21,8 +21,22 @@ from dataclasses import dataclass, field
 import torch
 
 from diffgemma.engine.generate import CancelToken, Canvas, StepInfo, Turn, default_commit, prefill_dtype
+from diffgemma.engine.sampler import RowStats, row_stats, split_rows
 from diffgemma.model.kv_cache import KVCache
 from diffgemma.runner.runner import DenoiseInput, ModelOutput, ModelRunner, Prefill, StepPlan
+
+
+def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether rows b [C, V] come right after rows a in one contiguous buffer."""
+    return (
+        a.is_contiguous()
+        and b.is_contiguous()
+        and a.shape == b.shape
+        and a.dtype == b.dtype
+        and b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+        and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
+    )
+
 
 # Prompt tokens a round prefills while other requests denoise (`Scheduler._schedule_prompts`): ~25 ms on the H200 at
 # 1k context, about one batched step of 4 canvases (docs/performance.md, "Many canvases per forward").
@@ -198,14 +212,15 @@ class Scheduler:
             return
         t0 = time.perf_counter()
         infos, stops = [], []
-        for r, logits in zip(scheduled.canvases, output.logits, strict=True):
+        shared = self._row_passes([r.canvas for r in scheduled.canvases], output.logits)
+        for r, logits, stats in zip(scheduled.canvases, output.logits, shared, strict=True):
             cv = r.canvas
             sc_out = None
-            if cv.cfg.sc_sparse:  # in the model's dtype, as a lone canvas's graph buffer is (`step_canvas`)
+            if cv.cfg.sc_sparse and stats is None:  # the model's dtype, as a lone canvas's graph buffer is
                 sc_out = torch.empty(
                     cv.length, logits.shape[-1], device=logits.device, dtype=self.runner.dtype
                 )
-            info, stop = cv.advance(logits, sc_out)
+            info, stop = cv.advance(logits, sc_out, stats)
             infos.append(info)
             stops.append(stop)
         verdicts = torch.stack(stops).tolist()  # the forward's one host read
@@ -219,6 +234,27 @@ class Scheduler:
                 r.on_step(info)
             if r.canvas.done:
                 self._finish_block(r)
+
+    def _row_passes(self, canvases: list[Canvas], logits: list[torch.Tensor]) -> list[RowStats | None]:
+        """One sampler row pass (`sampler.row_stats`) over each run of canvases whose `row_pass` keys agree and
+        whose logits follow one another in one buffer (a batched pass's [B, C, V]), split into each canvas's
+        rows; None for a canvas left to its own pass. The row pass computes each row alone: the same stats."""
+        out: list[RowStats | None] = [None] * len(canvases)
+        i = 0
+        while i < len(canvases):
+            key, j = canvases[i].row_pass(), i + 1
+            while j < len(canvases) and canvases[j].row_pass() == key and _follows(logits[j - 1], logits[j]):
+                j += 1
+            if j - i > 1:
+                length, temp, sparse, need_probs, softcap, fast = key
+                rows = logits[i].as_strided(((j - i) * length, logits[i].shape[1]), logits[i].stride())
+                sc_out = None
+                if sparse:  # the model's dtype, as a lone canvas's graph buffer is (`step_canvas`)
+                    sc_out = torch.empty(rows.shape, device=rows.device, dtype=self.runner.dtype)
+                stats = row_stats(rows, temp, sparse, need_probs, sc_out, softcap, fast)
+                out[i:j] = split_rows(stats, j - i)
+            i = j
+        return out
 
     def _finish_block(self, r: Request) -> None:
         turn, canvas = r.turn, r.canvas

@@ -148,14 +148,25 @@ class Canvas:
         self.settle(bool(stop), logits)
         return info
 
-    def advance(self, logits: torch.Tensor, sc_out: torch.Tensor | None) -> tuple[StepInfo, torch.Tensor]:
+    def row_pass(self) -> tuple:
+        """What the next step's row pass (`sampler.row_stats`) takes besides the logits: canvases of one key can
+        share one pass over all of their rows (`engine.batch`)."""
+        temp = S.temperature(self.cfg, self.steps_max - self.i)
+        return (self.length, temp, self.cfg.sc_sparse, self.uniforms is not None, self.softcap, self.fast)
+
+    def advance(
+        self, logits: torch.Tensor, sc_out: torch.Tensor | None, stats: S.RowStats | None = None
+    ) -> tuple[StepInfo, torch.Tensor]:
         """`step` without its host read: the step's info and the stop rules' verdict (a 0-d bool on the device),
-        which the caller hands to `settle` (after queueing other canvases' steps: one host read for them all)."""
+        which the caller hands to `settle` (after queueing other canvases' steps: one host read for them all).
+        `stats`: this canvas's rows of a row pass shared with others of its `row_pass` key (then no `sc_out`)."""
         cfg, i = self.cfg, self.i
         temp = S.temperature(cfg, self.steps_max - i)
-        stats = self.stats = S.row_stats(
-            logits, temp, cfg.sc_sparse, self.uniforms is not None, sc_out, self.softcap, self.fast
-        )
+        if stats is None:
+            stats = S.row_stats(
+                logits, temp, cfg.sc_sparse, self.uniforms is not None, sc_out, self.softcap, self.fast
+            )
+        self.stats = stats
         invalid = S.guard_invalid_rows(stats, self.filler)
         mask = S.accept_mask(stats.entropy, cfg.entropy_bound)
         denoised = stats.argmax

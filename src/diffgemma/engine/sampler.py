@@ -72,6 +72,19 @@ def row_stats(
     return RowStats(probs, sc, entropy, argmax, p_max)
 
 
+def split_rows(stats: RowStats, n: int) -> list[RowStats]:
+    """The row stats of n canvases' rows (one row pass over all of them) as each canvas's own, views."""
+    c = stats.entropy.shape[0] // n
+
+    def part(t: torch.Tensor | None, i: int) -> torch.Tensor | None:
+        return None if t is None else t[i * c : (i + 1) * c]
+
+    return [
+        RowStats(*(part(t, i) for t in (stats.probs, stats.sc, stats.entropy, stats.argmax, stats.p_max)))
+        for i in range(n)
+    ]
+
+
 def guard_invalid_rows(stats: RowStats, filler: int) -> torch.Tensor:
     """The invalid-logits guard: a row whose logits were not finite (a degenerate forward's NaN) takes the filler
     sentinel as its argmax, the largest entropy a row can have (log V: accepted only as the lowest row, never

@@ -30,7 +30,7 @@ from diffgemma.kernels import dispatch
 from diffgemma.model.kv_cache import KVCache
 from diffgemma.model.model import DiffusionGemma
 from diffgemma.model.passes import COMMIT, Pass
-from diffgemma.model.steps import FastSteps, Steps
+from diffgemma.model.steps import FastSteps, Steps, kv_tables
 from diffgemma.runner import parallel
 from diffgemma.runner.graphs import DenoiseGraphs, GraphStep, full_keys
 
@@ -112,6 +112,8 @@ class ModelRunner:
         self.graphs = DenoiseGraphs(model.device, model.cfg.vocab_size, model.dtype, model.embed.dtype)
         # by row count: each cache's `KVCache.denoise_geometry` on the device, as graphs read it
         self._geometry: dict[int, torch.Tensor] = {}
+        # by row count: each cache's layer buffers as the ragged attention reads them (`steps.kv_tables`)
+        self._tables: dict[int, torch.Tensor] = {}
         self._prefill_graphs: dict[
             int, GraphStep | None
         ] = {}  # padded length -> graph (None: ran eagerly once)
@@ -440,11 +442,12 @@ class ModelRunner:
         if not self.fast:
             return model.logits(model.layers_forward(x, Pass.denoise(kvs, c)), raw=True).view(b, c, -1)
         geometry = self._load_geometry(kvs, c)
+        tables = self._load_tables(kvs)
         keys = [full_keys(kv, c) for kv in kvs]
         out = self.graphs.batch_out(b * c) if self.graphs_on else None
 
         def forward(h: torch.Tensor, _) -> torch.Tensor:
-            p = Pass.denoise(kvs, c, geometry, keys)
+            p = Pass.denoise(kvs, c, geometry, keys, kv_tables=tables)
             return model.logits(model.layers_forward(h, p), out=out, raw=True)
 
         step = self._graph(kvs, ("denoise", c), c, forward, x)
@@ -458,6 +461,14 @@ class ModelRunner:
             self._geometry[b] = torch.zeros(b, 5, dtype=torch.int32, device=self.device)
         geo = torch.tensor([kv.denoise_geometry(c) for kv in kvs], dtype=torch.int32)
         return self._geometry[b].copy_(geo)
+
+    def _load_tables(self, kvs: list[KVCache]) -> torch.Tensor:
+        """Each cache's layer buffers (`steps.kv_tables`) into the device buffer [layers, B, 2] the batched denoise
+        pass of B rows reads (its graphs too)."""
+        b = len(kvs)
+        if b not in self._tables or self._tables[b].device != self.device:
+            self._tables[b] = torch.zeros(len(kvs[0].kv), b, 2, dtype=torch.int64, device=self.device)
+        return self._tables[b].copy_(kv_tables(kvs))
 
     # -- graphs and memory ------------------------------------------------------------------------
 
