@@ -23,20 +23,7 @@ import torch
 from diffgemma.engine.generate import CancelToken, Canvas, StepInfo, Turn, default_commit, prefill_dtype
 from diffgemma.engine.sampler import RowStats, row_stats, split_rows
 from diffgemma.model.kv_cache import KVCache
-from diffgemma.runner.runner import DenoiseInput, ModelOutput, ModelRunner, Prefill, StepPlan
-
-
-def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether rows b [C, V] come right after rows a in one contiguous buffer."""
-    return (
-        a.is_contiguous()
-        and b.is_contiguous()
-        and a.shape == b.shape
-        and a.dtype == b.dtype
-        and b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
-        and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
-    )
-
+from diffgemma.runner.runner import DenoiseInput, ModelOutput, ModelRunner, Prefill, StepPlan, follows
 
 # Prompt tokens a round prefills while other requests denoise (`Scheduler._schedule_prompts`): ~25 ms on the H200 at
 # 1k context, about one batched step of 4 canvases (docs/performance.md, "Many canvases per forward").
@@ -243,7 +230,7 @@ class Scheduler:
         i = 0
         while i < len(canvases):
             key, j = canvases[i].row_pass(), i + 1
-            while j < len(canvases) and canvases[j].row_pass() == key and _follows(logits[j - 1], logits[j]):
+            while j < len(canvases) and canvases[j].row_pass() == key and follows(logits[j - 1], logits[j]):
                 j += 1
             if j - i > 1:
                 length, temp, sparse, need_probs, softcap, fast = key

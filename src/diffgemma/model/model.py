@@ -256,6 +256,24 @@ class DiffusionGemma(nn.Module):
             return ops.rms_norm(emb, None, cfg.rms_norm_eps)
         return self.self_conditioned(emb, soft)
 
+    def decoder_input_runs(
+        self, ids: torch.Tensor, sc: torch.Tensor | None, runs: list[tuple[int, int, str | None]]
+    ) -> torch.Tensor:
+        """`decoder_input` of several canvases' rows at once: ids [N]; `runs`, (first row, end row, mode) in row
+        order covering them, mode "probs" or "exact" (the soft embedding of sc [N, V]'s rows, exact or not),
+        "seed" or None (no SC input). Each run is one `decoder_input` over its rows: row for row its arithmetic."""
+        emb = self.embed_tokens(ids)
+        outs = []
+        for a, b, mode in runs:
+            if mode is None:
+                outs.append(ops.rms_norm(emb[a:b], None, self.cfg.rms_norm_eps))
+                continue
+            soft = emb[a:b]
+            if mode != "seed":
+                soft = self.soft_embedding(sc[a:b], mode == "exact") * self.embed_scale(emb.dtype)
+            outs.append(self.self_conditioned(emb[a:b], soft))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
     def self_conditioned(self, emb: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
         """The canvas's embeddings `emb` plus the SC MLP on the soft signal `soft`, then rms_norm_no_scale."""
         x = ops.rms_norm(soft, self.sc_pre_norm, self.cfg.rms_norm_eps)

@@ -77,6 +77,7 @@ class DenoiseGraphs:
         # a set of caches' graphs by (mode, each cache's key); None: the set was seen once, not yet captured
         self._batch: dict[tuple, tuple[tuple[weakref.ref, ...], GraphStep | None]] = {}
         self._batch_out: torch.Tensor | None = None
+        self._batch_sc: torch.Tensor | None = None
 
     def io(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits every denoise graph of canvas length c writes (before the softcap, the model's dtype,
@@ -125,12 +126,27 @@ class DenoiseGraphs:
             self._batch_out = torch.empty(rows, self.vocab, device=self.device, dtype=self.dtype)
         return self._batch_out[:rows]
 
+    def batch_sc(self, rows: int) -> torch.Tensor:
+        """The SC input a batched denoise graph of `rows` canvas rows reads ([rows, V], the embedding's dtype):
+        the first rows of one buffer as large as the largest batch yet, as `batch_out`. A graph keeps the buffer
+        it was captured on (`GraphStep.sc`), which the runner fills before each replay."""
+        if self._batch_sc is None or self._batch_sc.shape[0] < rows:
+            self._batch_sc = torch.zeros(rows, self.vocab, device=self.device, dtype=self.sc_dtype)
+        return self._batch_sc[:rows]
+
     def get_batch(
-        self, kvs: list[KVCache], mode: tuple, c: int, fn: Callable, x: torch.Tensor
+        self,
+        kvs: list[KVCache],
+        mode: tuple,
+        c: int,
+        fn: Callable,
+        x: torch.Tensor,
+        sc: torch.Tensor | None = None,
     ) -> GraphStep | None:
-        """The graph of `fn` (one pass over canvases of c rows, one after each of `kvs`) for this set of caches and
-        their key buckets: None the first time the set comes (the caller runs `fn` eagerly), captured the second:
-        a set that ran once may never return, one that ran twice is a batch's block of steps."""
+        """The graph of `fn` (one pass over canvases of c rows, one after each of `kvs`, reading the SC input
+        buffer `sc`) for this set of caches and their key buckets: None the first time the set comes (the caller
+        runs `fn` eagerly), captured the second: a set that ran once may never return, one that ran twice is a
+        batch's block of steps."""
         key = (mode, tuple(self._key(kv, c) for kv in kvs))
         refs, step = self._batch.pop(key, ((), None))
         # new, or a freed cache's id and memory reused: a graph never outlives its caches in use
@@ -140,7 +156,7 @@ class DenoiseGraphs:
         elif step is None:
             if not self._any_live():
                 self._pool = torch.cuda.graph_pool_handle()
-            step = GraphStep(fn, x, None, self._pool)
+            step = GraphStep(fn, x, sc, self._pool)
         self._batch[key] = (refs, step)  # the most recently used last
         while len(self._batch) > BATCH_GRAPHS:
             del self._batch[next(iter(self._batch))]
@@ -160,6 +176,7 @@ class DenoiseGraphs:
         self._pool = None
         self._io.clear()
         self._batch_out = None
+        self._batch_sc = None
 
     def __len__(self) -> int:
         solo = sum(len(graphs) for _, graphs in self._graphs.values())

@@ -35,6 +35,25 @@ from diffgemma.runner import parallel
 from diffgemma.runner.graphs import DenoiseGraphs, GraphStep, full_keys
 
 
+def _sc_mode(cv: DenoiseInput) -> str | None:
+    """A canvas's SC input as `DiffusionGemma.decoder_input_runs` takes it."""
+    if cv.probs is not None:
+        return "exact" if cv.exact else "probs"
+    return "seed" if cv.seed else None
+
+
+def follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether rows b [C, V] come right after rows a in one contiguous buffer."""
+    return (
+        a.is_contiguous()
+        and b.is_contiguous()
+        and a.shape == b.shape
+        and a.dtype == b.dtype
+        and b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+        and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
+    )
+
+
 class Prefill(NamedTuple):
     """Tokens to append to a cache: `ids` after `kv`, with activations in `compute_dtype` (None: the model's)."""
 
@@ -336,14 +355,17 @@ class ModelRunner:
                     kv.write(layer.idx, start, kv.kv[layer.idx][:, :, first_slot : first_slot + t].clone())
             kv.length = start + t
 
-    def _graph(self, kvs: list[KVCache], mode: tuple, c: int, fn, x: torch.Tensor) -> GraphStep | None:
-        """The CUDA graph of a canvas pass over these caches: a lone cache's captured on first use, a set's from its
-        second use (`DenoiseGraphs.get_batch`); None without graphs, or a set's first use (run `fn` eagerly)."""
+    def _graph(
+        self, kvs: list[KVCache], mode: tuple, c: int, fn, x: torch.Tensor, sc: torch.Tensor | None = None
+    ) -> GraphStep | None:
+        """The CUDA graph of a canvas pass over these caches (reading `sc`, a set's SC input buffer): a lone
+        cache's captured on first use, a set's from its second use (`DenoiseGraphs.get_batch`); None without
+        graphs, or a set's first use (run `fn` eagerly)."""
         if not self.graphs_on:
             return None
         if len(kvs) == 1:
             return self.graphs.get(kvs[0], mode, fn, x, None)
-        return self.graphs.get_batch(kvs, mode, c, fn, x)
+        return self.graphs.get_batch(kvs, mode, c, fn, x, sc)
 
     @torch.no_grad()
     def rewind(self, kv: KVCache, pos: int) -> None:
@@ -423,35 +445,62 @@ class ModelRunner:
     @torch.no_grad()
     def denoise_many(self, canvases: list[DenoiseInput]) -> torch.Tensor:
         """The LM head's raw output [B, C, V] (before the final softcap, the model's dtype) for canvases of one
-        length, each after its own cache (`_batches`), in one pass. Each canvas's decoder input is made on its own
-        rows, eagerly (its SC input: probabilities, the seed or none, exact or not), as a lone canvas's is; the
-        layers and the LM head then run once over all of the rows, on CUDA replayed from the graph of this set of
-        caches and key buckets once the set has come twice. On a graph the output is the graph's own buffer,
-        overwritten by the next pass of as many rows (the sampler reads it before)."""
+        length, each after its own cache (`_batches`), in one pass: every canvas's decoder input (its SC input:
+        probabilities, the seed or none, exact or not) over all rows at once, a run of canvases of one SC mode a
+        call (`DiffusionGemma.decoder_input_runs`: row for row a lone canvas's arithmetic), then the layers and
+        the LM head. On CUDA the whole pass replays from the graph of this set of caches, key buckets and SC
+        modes once the set has come twice (an exact SC input runs eagerly: the graphs read a 16-bit one). On a
+        graph the output is the graph's own buffer, overwritten by the next pass of as many rows (the sampler
+        reads it before)."""
         model, b = self.model, len(canvases)
         c = canvases[0].ids.shape[-1]
         kvs = [cv.kv for cv in canvases]
         if any(cv.ids.shape[-1] != c for cv in canvases) or not all(self._batches(kv, c) for kv in kvs):
             raise ValueError("denoise_many takes canvases of one length that fit their caches' canvas slots")
-        x = torch.cat(
-            [
-                model.decoder_input(model.check_ids(cv.ids, 1).reshape(-1), cv.probs, cv.seed, cv.exact)
-                for cv in canvases
-            ]
-        )
+        ids = torch.cat([model.check_ids(cv.ids, 1).reshape(-1) for cv in canvases]).to(self.device)
+        modes = [_sc_mode(cv) for cv in canvases]
+        runs: list[tuple[int, int, str | None]] = []
+        for i, mode in enumerate(modes):  # consecutive canvases of one mode: one run of rows
+            if runs and runs[-1][2] == mode:
+                runs[-1] = (runs[-1][0], (i + 1) * c, mode)
+            else:
+                runs.append((i * c, (i + 1) * c, mode))
+        with_sc = any(cv.probs is not None for cv in canvases)
         if not self.fast:
+            x = model.decoder_input_runs(ids, self._sc_rows(canvases, c, None) if with_sc else None, runs)
             return model.logits(model.layers_forward(x, Pass.denoise(kvs, c)), raw=True).view(b, c, -1)
         geometry = self._load_geometry(kvs, c)
         tables = self._load_tables(kvs)
         keys = [full_keys(kv, c) for kv in kvs]
-        out = self.graphs.batch_out(b * c) if self.graphs_on else None
+        graphed = self.graphs_on and "exact" not in modes
+        out = self.graphs.batch_out(b * c) if graphed else None
 
-        def forward(h: torch.Tensor, _) -> torch.Tensor:
+        def forward(i: torch.Tensor, sc: torch.Tensor | None) -> torch.Tensor:
             p = Pass.denoise(kvs, c, geometry, keys, kv_tables=tables)
+            h = model.decoder_input_runs(i, sc, runs)
             return model.logits(model.layers_forward(h, p), out=out, raw=True)
 
-        step = self._graph(kvs, ("denoise", c), c, forward, x)
-        return (step(x, None) if step is not None else forward(x, None)).view(b, c, -1)
+        sc_buf = self.graphs.batch_sc(b * c) if graphed and with_sc else None
+        step = self._graph(kvs, ("denoise", c, tuple(modes)), c, forward, ids, sc_buf) if graphed else None
+        sc = self._sc_rows(canvases, c, None if step is None else step.sc) if with_sc else None
+        return (step(ids, sc) if step is not None else forward(ids, sc)).view(b, c, -1)
+
+    def _sc_rows(self, canvases: list[DenoiseInput], c: int, buf: torch.Tensor | None) -> torch.Tensor:
+        """The canvases' SC probabilities as rows [B*C, V] (a canvas without them: rows left unread): `buf` with
+        each canvas's copied into its rows, or without `buf`, their own rows where they follow one another in one
+        buffer (the batched sampler's), else a new tensor."""
+        probs = [cv.probs.reshape(c, -1) if cv.probs is not None else None for cv in canvases]
+        first = next(p for p in probs if p is not None)
+        if buf is None:
+            if all(p is not None for p in probs) and all(
+                follows(a, z) for a, z in zip(probs, probs[1:], strict=False)
+            ):
+                return first.as_strided((len(probs) * c, first.shape[1]), first.stride())
+            buf = torch.zeros(len(probs) * c, first.shape[1], device=first.device, dtype=first.dtype)
+        for i, p in enumerate(probs):
+            if p is not None and p.data_ptr() != buf[i * c].data_ptr():
+                buf[i * c : (i + 1) * c].copy_(p)
+        return buf
 
     def _load_geometry(self, kvs: list[KVCache], c: int) -> torch.Tensor:
         """Each cache's `denoise_geometry(c)` into the device buffer [B, 5] the fast denoise and commit passes of B
