@@ -281,3 +281,25 @@ def test_the_real_shape_refusal_is_one_line_through_the_cli():
         [sys.executable, "-m", "diffgemma.cli", "bench", "--real", "--tiny"], capture_output=True, text=True
     )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "pass one of them" in proc.stderr
+
+
+def test_concurrency_memory_plan_fits_32_at_1k_and_16_at_32k_on_an_h200():
+    """`concurrency_bytes` at the real shape (bf16): a cache a request and the batched pass's three [N * C, V]
+    buffers; with the weights (47.0 GiB) and 20 GiB of headroom for activations and graph pools, 32 requests at
+    1k and 16 at 32k fit one H200's 141 GB, and 64 at 32k do not (the plan can say no)."""
+    import torch
+
+    from diffgemma.bench.batching import concurrency_bytes
+    from diffgemma.bench.shapes import GIB, REAL_CONFIG
+    from diffgemma.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(REAL_CONFIG)
+    weights, headroom, h200 = 47.0 * GIB, 20 * GIB, 141e9
+
+    def plan(n: int, prompt: int) -> float:
+        return weights + headroom + concurrency_bytes(cfg, n, prompt, torch.bfloat16)
+
+    assert plan(32, 1024) < h200 and plan(16, 32768) < h200
+    assert plan(64, 32768) > h200
+    # the caches dominate: 32 at 1k hold 23.4 GiB of K/V, the buffers 3 x 4 GiB
+    assert 35 * GIB < concurrency_bytes(cfg, 32, 1024, torch.bfloat16) < 36 * GIB

@@ -93,3 +93,31 @@ def test_window_rows_match_reference_and_sdpa(n, monkeypatch):
     sdpa_err = float((sdpa.double() - want).abs().max())
     assert float((got.double() - want).abs().max()) <= 2 * sdpa_err + 1e-6
     assert _rel(got, sdpa) < 1e-2
+
+
+def test_ragged_equals_each_canvas_lone_call_bit_for_bit():
+    """kernels/triton_attn_ragged at the sliding shape: three canvases on three caches of unlike slot counts and
+    spans (a full window, a short one, one past a ring's start) give, bit for bit, each canvas's lone split-KV call
+    with a span of n_max keys (the per-canvas path the batched pass took before), and the float64 softmax."""
+    from diffgemma.kernels import triton_attn_ragged as tr
+    from diffgemma.model.steps import kv_tables
+
+    torch.manual_seed(0)
+    d, hkv, g, t, n_max = 256, 8, 2, 256, 1279
+    bufs = [torch.randn(2, hkv, slots, d, device=DEV, dtype=torch.bfloat16) for slots in (1400, 3583, 2000)]
+    for buf in bufs:
+        buf[0] *= d**-0.25
+    spans = ((0, 1279), (2000, 300), (100, 1100))
+    geometry = torch.zeros(3, 5, dtype=torch.int32, device=DEV)
+    geometry[:, 1:3] = torch.tensor(spans, dtype=torch.int32)
+    q = torch.randn(3, hkv * g, t, d, device=DEV, dtype=torch.bfloat16) * d**-0.25
+    qf = q.reshape(3, hkv, g * t, d)
+    table = kv_tables([type("Cache", (), {"kv": [buf]})() for buf in bufs])[0].to(DEV)
+    rows = torch.empty(3 * t, hkv * g, d, device=DEV, dtype=torch.bfloat16)
+    out = rows.view(3, t, hkv, g, d).permute(0, 2, 3, 1, 4)
+    tr.attention_ragged(qf, table, geometry, n_max, hkv, out)
+    for b, (buf, (first, count)) in enumerate(zip(bufs, spans, strict=True)):
+        lone = ta.attention_splitkv(qf[b : b + 1], buf[0:1], buf[1:2], span=(geometry[b, 1:3].clone(), n_max))
+        assert torch.equal(out[b].reshape(1, hkv, g * t, d), lone), b
+        want = _want(qf[b : b + 1], buf[0:1, :, first : first + count], buf[1:2, :, first : first + count])
+        assert _rel(lone, want) < 1e-2
