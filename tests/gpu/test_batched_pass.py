@@ -34,16 +34,16 @@ def test_ragged_attention_gives_the_per_canvas_logits(monkeypatch):
         DenoiseInput(canvas[b], kv, probs[b * c : (b + 1) * c], False, False) for b, kv in enumerate(caches)
     ]
     calls = []
-    from diffgemma.kernels import triton_attn_ragged
+    from diffgemma.kernels import triton_ragged
 
-    real = triton_attn_ragged.attention_ragged
+    real = triton_ragged.attention_ragged
     monkeypatch.setattr(
-        triton_attn_ragged, "attention_ragged", lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+        triton_ragged, "attention_ragged", lambda *a, **k: (calls.append(1), real(*a, **k))[1]
     )
     ragged = [runner.denoise_many(inputs).clone() for _ in range(3)]  # eager, captured, replayed
-    assert calls and dispatch.failed.isdisjoint({"triton_attn_ragged"})
+    assert calls and dispatch.failed.isdisjoint({"triton_ragged"})
     monkeypatch.setattr(runner, "graphs_on", False)
-    monkeypatch.setattr(dispatch, "failed", {"triton_attn_ragged"})  # the per-canvas attention
+    monkeypatch.setattr(dispatch, "failed", {"triton_ragged"})  # the per-canvas attention
     lone = runner.denoise_many(inputs)
     for got in ragged:
         assert torch.equal(got, lone)

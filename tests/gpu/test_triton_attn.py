@@ -96,10 +96,10 @@ def test_window_rows_match_reference_and_sdpa(n, monkeypatch):
 
 
 def test_ragged_equals_each_canvas_lone_call_bit_for_bit():
-    """kernels/triton_attn_ragged at the sliding shape: three canvases on three caches of unlike slot counts and
+    """kernels/triton_ragged at the sliding shape: three canvases on three caches of unlike slot counts and
     spans (a full window, a short one, one past a ring's start) give, bit for bit, each canvas's lone split-KV call
     with a span of n_max keys (the per-canvas path the batched pass took before), and the float64 softmax."""
-    from diffgemma.kernels import triton_attn_ragged as tr
+    from diffgemma.kernels import triton_ragged as tr
     from diffgemma.model.steps import kv_tables
 
     torch.manual_seed(0)
@@ -121,3 +121,9 @@ def test_ragged_equals_each_canvas_lone_call_bit_for_bit():
         assert torch.equal(out[b].reshape(1, hkv, g * t, d), lone), b
         want = _want(qf[b : b + 1], buf[0:1, :, first : first + count], buf[1:2, :, first : first + count])
         assert _rel(lone, want) < 1e-2
+
+
+def test_ragged_norm_rope_equals_each_canvas_lone_call_bit_for_bit():
+    from tests.test_triton_ragged_interpret import check_norm_rope_ragged
+
+    check_norm_rope_ragged(torch.bfloat16, DEV, 256)

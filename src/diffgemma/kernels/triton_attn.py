@@ -137,7 +137,7 @@ def _combine_kernel(
     pdl.start(PDL)
     head = tl.program_id(1)
     heads = tl.num_programs(1)
-    # canvas b of a ragged call (`triton_attn_ragged`): its splits' partials, then its own output rows
+    # canvas b of a ragged call (`triton_ragged`): its splits' partials, then its own output rows
     b = tl.program_id(2).to(tl.int64)
     acc_ptr += b * SPLITS * heads * M * D
     max_ptr += b * SPLITS * heads * M

@@ -45,15 +45,32 @@ def _norm_rope_kernel(
     stride_kv2,
     stride_kvh,
     stride_kvt,
+    table_ptr,
+    stride_geo,
     NQ: tl.constexpr,
     NKV: tl.constexpr,
     HAS_V: tl.constexpr,
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     HAS_SLOT: tl.constexpr,
+    RAGGED: tl.constexpr,
 ):
     head = tl.program_id(1)  # 0..NQ-1: Q heads, then NKV K heads, then (HAS_V) NKV V heads
     ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    if (
+        RAGGED
+    ):  # canvas b of a batched pass (`triton_ragged.norm_rope_ragged`): its rows, its own cache's buffer
+        b = tl.program_id(2).to(tl.int64)
+        qkv_ptr += b * T * stride_t
+        cos_ptr += b * T * stride_ct
+        sin_ptr += b * T * stride_ct
+        q_ptr += b * NQ * stride_qh
+        kv_ptr = tl.load(table_ptr + 2 * b).to(tl.pointer_type(qkv_ptr.dtype.element_ty))
+        slots = tl.load(table_ptr + 2 * b + 1)
+        stride_kvt = D
+        stride_kvh = slots * D
+        stride_kv2 = NKV * slots * D
+        slot_ptr += b * stride_geo
     # K/V of token t go to slot slot[0] + t, read on the device (a CUDA graph's, any cache length)
     if HAS_SLOT:
         kv_ptr += tl.load(slot_ptr).to(tl.int64) * stride_kvt
@@ -155,12 +172,15 @@ def norm_rope(
         kv.stride(0),
         kv.stride(1),
         kv.stride(2),
+        q,  # no table: not read
+        0,
         NQ=n_heads,
         NKV=n_kv,
         HAS_V=has_v,
         D=d,
         BLOCK_T=BLOCK_T,
         HAS_SLOT=kv_slot is not None,
+        RAGGED=False,
         **LAUNCH_OPTIONS,
     )
     return q[None], kv

@@ -31,7 +31,7 @@ class Pass:
     geometry: torch.Tensor | None = None
     full_keys: list[int] | None = None
     # The fast kernels' batched denoise: each row's cache's layer buffers as the ragged attention reads them,
-    # int64 [layers, B, 2] on the device (`triton_attn_ragged.kv_table`); made by the runner outside a graph
+    # int64 [layers, B, 2] on the device (`triton_ragged.kv_table`); made by the runner outside a graph
     kv_tables: torch.Tensor | None = None
     window_bias: torch.Tensor | None = None  # PREFILL on the fast kernels: the sliding layers' mask
     masks: dict[bool, torch.Tensor] | None = None  # TRAIN: [B, 1, T, T] True = attend, by `sliding`

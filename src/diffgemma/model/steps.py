@@ -39,7 +39,7 @@ class Routing(NamedTuple):
 
 def kv_tables(caches: list) -> torch.Tensor:
     """Each cache's layer buffers as the ragged attention reads them: int64 [layers, B, 2] (address, slots), on the
-    host (`triton_attn_ragged.kv_table`, without importing triton)."""
+    host (`triton_ragged.kv_table`, without importing triton)."""
     return torch.tensor(
         [[[kv.kv[i].data_ptr(), kv.kv[i].shape[2]] for kv in caches] for i in range(len(caches[0].kv))],
         dtype=torch.int64,
@@ -258,6 +258,10 @@ class FastSteps(Steps):
             q, kv = super().qk_norm_rope(qkv, layer, inv_freq, eps, p)
             return q, kv[:, 0]
         cos, sin = p.cos_sin("sliding" if layer.sliding else "full", inv_freq, qkv.dtype)
+        if b > 1:  # every canvas in one launch, each K/V into its own cache's canvas slots
+            q = self._qk_ragged(qkv, layer, cos, sin, eps, p)
+            if q is not None:
+                return q, None
         rows = [slice(i * t, (i + 1) * t) for i in range(b)]
         outs = [
             self._qk_row(qkv[r], layer, inv_freq, cos[r], sin[r], p.positions[r], eps, p, i)
@@ -266,6 +270,22 @@ class FastSteps(Steps):
         if b == 1:
             return outs[0]
         return torch.cat([q for q, _ in outs]), None
+
+    def _qk_ragged(self, qkv, layer, cos, sin, eps, p: Pass) -> torch.Tensor | None:
+        """`_qk_row` of all of the pass's canvases in one launch (`triton_ragged.norm_rope_ragged`: each canvas's
+        arithmetic its lone call's); None where it cannot serve (off CUDA): then canvas by canvas."""
+        hd = layer.head_dim
+        if hd < 2 or hd & (hd - 1):
+            return None
+        col = 3 if layer.sliding else 0  # the canvas slot: a sliding layer's first, a full layer's length
+        return dispatch.attempt(
+            "triton_ragged",
+            lambda m: m.norm_rope_ragged(
+                qkv, p.batch, layer.n_heads, layer.n_kv, layer.sliding, cos, sin, layer.q_norm, layer.k_norm,
+                eps, self._kv_tables(p)[layer.idx], self._geometry(p)[:, col],
+            ),
+            qkv,
+        )  # fmt: skip
 
     def _qk_row(self, qkv, layer, inv_freq, cos, sin, positions, eps, p: Pass, row: int):
         """`qk_norm_rope` of one row's T tokens."""
@@ -306,7 +326,7 @@ class FastSteps(Steps):
 
     def _ragged_attention(self, q, layer, p: Pass) -> torch.Tensor | None:
         """A sliding layer's denoise attention of all of the pass's canvases in one launch, each after its own
-        cache (`triton_attn_ragged`: the sums of each canvas's lone call), as o_proj's rows [B*T, H*d]; None
+        cache (`triton_ragged`: the sums of each canvas's lone call), as o_proj's rows [B*T, H*d]; None
         where it cannot serve (off CUDA, fp32, caches of unlike windows): then canvas by canvas."""
         b, h, t, d = q.shape
         n_max = p.caches[0].denoise_key_slots(t)
@@ -319,7 +339,7 @@ class FastSteps(Steps):
         table = self._kv_tables(p)[layer.idx]
         geo = self._geometry(p)
         done = dispatch.attempt(
-            "triton_attn_ragged", lambda m: m.attention_ragged(qf, table, geo, n_max, hkv, out), q
+            "triton_ragged", lambda m: m.attention_ragged(qf, table, geo, n_max, hkv, out), q
         )
         return None if done is None else rows.view(b * t, h * d)
 

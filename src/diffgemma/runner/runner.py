@@ -335,11 +335,12 @@ class ModelRunner:
         c, pad = kvs[0].canvas_slots, self.cfg.pad_token_id or 0
         padded = torch.cat([F.pad(ids, (0, c - ids.shape[0]), value=pad) for ids, _ in items]).to(self.device)
         geometry = self._load_geometry(kvs, c)
+        tables = self._load_tables(kvs) if len(kvs) > 1 else None
         keys = [full_keys(kv, c) for kv in kvs]
         model = self.model
 
         def forward(i: torch.Tensor, _) -> torch.Tensor:
-            p = Pass.denoise(kvs, c, geometry, keys, phase=COMMIT)
+            p = Pass.denoise(kvs, c, geometry, keys, phase=COMMIT, kv_tables=tables)
             return model.layers_forward(model.embed_tokens(i), p)
 
         step = self._graph(kvs, ("commit", c), c, forward, padded)

@@ -1,9 +1,11 @@
-"""The sliding layers' denoise attention of several canvases in one launch, each after its own cache: the split-KV
-kernel of `triton_attn` with a canvas index in its grid. Each canvas's K/V live in a cache of their own (another
-allocation, another slot count), so the kernel reads them through a table on the device: per canvas the layer
-buffer's address ([2, Hkv, slots, d], contiguous) and its slot count, and per canvas its key span (first slot,
-count) from the pass's geometry rows ([B, 5], `KVCache.denoise_geometry`), so that a CUDA graph of the batched
-pass serves every cache length.
+"""The batched denoise pass's kernels over several canvases in one launch, each after its own cache: the sliding
+layers' split-KV attention (`attention_ragged`, `triton_attn`'s kernel with a canvas index in its grid) and the
+Q/K norms and RoPE that write each canvas's K/V into its cache's canvas slots (`norm_rope_ragged`, `triton_qkv`'s
+kernel likewise). Each canvas's K/V live in a cache of their own (another allocation, another slot count), so the
+kernels read them through a table on the device: per canvas the layer buffer's address ([2, Hkv, slots, d],
+contiguous) and its slot count (`model.steps.kv_tables`); and each canvas's key span and canvas slot from the
+pass's geometry rows ([B, 5], `KVCache.denoise_geometry`), so that a CUDA graph of the batched pass serves every
+cache length. Each canvas's arithmetic is its lone call's, op for op.
 
 Each canvas is split over its keys as a lone canvas's call is (`triton_attn._auto_splits` of one canvas's
 programs), not by the batch's program count: every canvas then runs the tiles, the key ranges and the merge order
@@ -28,6 +30,7 @@ from diffgemma.kernels.triton_attn import (
     _combine_kernel,
     sm_count,
 )
+from diffgemma.kernels.triton_qkv import BLOCK_T, LAUNCH_OPTIONS, _norm_rope_kernel
 
 
 @triton.jit
@@ -199,3 +202,74 @@ def attention_ragged(
         launch_pdl=pdl_on,
     )
     return out
+
+
+def norm_rope_ragged(
+    qkv: torch.Tensor,
+    b: int,
+    n_heads: int,
+    n_kv: int,
+    has_v: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    eps: float,
+    table: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """`triton_qkv.norm_rope` of b canvases' rows in one launch: qkv [b * T, ...] (the merged GEMM's output), cos/sin
+    [b * T, d] tables; canvas i's K/V go to its own layer buffer (`table` row i, as `attention_ragged` reads it),
+    token t to slot slots[i, 0] + t (int32 rows on the device, a view of the pass's geometry column). Returns q
+    [b, n_heads, T, d] contiguous."""
+    rows = qkv.shape[0]
+    t = rows // b
+    d = qkv.shape[1] // (n_heads + n_kv * (2 if has_v else 1))
+    if (
+        rows % b
+        or qkv.stride(1) != 1
+        or cos.stride(1) != 1
+        or sin.stride() != cos.stride()
+        or cos.shape[0] != rows
+    ):
+        raise ValueError("norm_rope_ragged: qkv and cos/sin [b * T, ...] rows, contiguous within a row")
+    if d < 2 or d & (d - 1):
+        raise ValueError(f"norm_rope_ragged: head_dim must be a power of two, got {d}")
+    if (
+        table.shape != (b, 2)
+        or table.dtype != torch.int64
+        or slots.dtype != torch.int32
+        or slots.shape[0] != b
+    ):
+        raise ValueError(f"norm_rope_ragged: want an int64 [{b}, 2] table and int32 slots of {b} rows")
+    q = torch.empty(b, n_heads, t, d, device=qkv.device, dtype=qkv.dtype)
+    _norm_rope_kernel[(triton.cdiv(t, BLOCK_T), n_heads + n_kv * (2 if has_v else 1), b)](
+        qkv,
+        cos,
+        sin,
+        q_norm,
+        k_norm,
+        q,
+        qkv,  # each canvas's own buffer from `table`
+        slots,
+        t,
+        eps,
+        qkv.stride(0),
+        cos.stride(0),
+        q.stride(1),
+        q.stride(2),
+        0,
+        0,
+        0,
+        table,
+        slots.stride(0),
+        NQ=n_heads,
+        NKV=n_kv,
+        HAS_V=has_v,
+        D=d,
+        BLOCK_T=BLOCK_T,
+        HAS_SLOT=True,
+        RAGGED=True,
+        **LAUNCH_OPTIONS,
+    )
+    return q
