@@ -1,5 +1,5 @@
 """The batched denoise pass on the GPU (skipped without CUDA): with the sliding layers' attention of all canvases in
-one ragged launch, every canvas's logits are those of the per-canvas attention bit for bit, eager and replayed from
+one ragged launch (and their Q/K norms and RoPE), every canvas's logits are those of the per-canvas kernels bit for bit, eager and replayed from
 the set's graph."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def test_ragged_attention_gives_the_per_canvas_logits(monkeypatch):
     ragged = [runner.denoise_many(inputs).clone() for _ in range(3)]  # eager, captured, replayed
     assert calls and dispatch.failed.isdisjoint({"triton_ragged"})
     monkeypatch.setattr(runner, "graphs_on", False)
-    monkeypatch.setattr(dispatch, "failed", {"triton_ragged"})  # the per-canvas attention
+    monkeypatch.setattr(dispatch, "failed", {"triton_ragged"})  # the per-canvas kernels
     lone = runner.denoise_many(inputs)
     for got in ragged:
         assert torch.equal(got, lone)

@@ -39,7 +39,7 @@ class Routing(NamedTuple):
 
 def kv_tables(caches: list) -> torch.Tensor:
     """Each cache's layer buffers as the ragged attention reads them: int64 [layers, B, 2] (address, slots), on the
-    host (`triton_ragged.kv_table`, without importing triton)."""
+    host (the table `kernels.triton_ragged` reads, made here without importing triton)."""
     return torch.tensor(
         [[[kv.kv[i].data_ptr(), kv.kv[i].shape[2]] for kv in caches] for i in range(len(caches[0].kv))],
         dtype=torch.int64,
