@@ -1,6 +1,6 @@
 """The batched denoise pass on the GPU (skipped without CUDA): with the sliding layers' attention of all canvases in
-one ragged launch (and their Q/K norms and RoPE), every canvas's logits are those of the per-canvas kernels bit for bit, eager and replayed from
-the set's graph."""
+one ragged launch, and their Q/K norms and RoPE, every canvas's logits are those of the per-canvas kernels bit for
+bit, eager and replayed from the set's graph."""
 
 from __future__ import annotations
 
