@@ -257,11 +257,13 @@ class DiffusionGemma(nn.Module):
         return self.self_conditioned(emb, soft)
 
     def decoder_input_runs(
-        self, ids: torch.Tensor, sc: torch.Tensor | None, runs: list[tuple[int, int, str | None]]
+        self, ids: torch.Tensor, sc: torch.Tensor | None, runs: list[tuple[int, int, str | None]], c: int
     ) -> torch.Tensor:
         """`decoder_input` of several canvases' rows at once: ids [N]; `runs`, (first row, end row, mode) in row
         order covering them, mode "probs" or "exact" (the soft embedding of sc [N, V]'s rows, exact or not),
-        "seed" or None (no SC input). Each run is one `decoder_input` over its rows: row for row its arithmetic."""
+        "seed" or None (no SC input). Each run is one `decoder_input` over its rows: row for row its arithmetic.
+        The soft embedding runs a canvas (c rows) at a time, the GEMM of a lone canvas: its [c, V] x [V, H] shape
+        (cuBLAS splits its long K) and its sums, whatever the batch."""
         emb = self.embed_tokens(ids)
         outs = []
         for a, b, mode in runs:
@@ -270,7 +272,8 @@ class DiffusionGemma(nn.Module):
                 continue
             soft = emb[a:b]
             if mode != "seed":
-                soft = self.soft_embedding(sc[a:b], mode == "exact") * self.embed_scale(emb.dtype)
+                parts = [self.soft_embedding(sc[r : r + c], mode == "exact") for r in range(a, b, c)]
+                soft = (parts[0] if len(parts) == 1 else torch.cat(parts)) * self.embed_scale(emb.dtype)
             outs.append(self.self_conditioned(emb[a:b], soft))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 

@@ -468,7 +468,7 @@ class ModelRunner:
                 runs.append((i * c, (i + 1) * c, mode))
         with_sc = any(cv.probs is not None for cv in canvases)
         if not self.fast:
-            x = model.decoder_input_runs(ids, self._sc_rows(canvases, c, None) if with_sc else None, runs)
+            x = model.decoder_input_runs(ids, self._sc_rows(canvases, c, None) if with_sc else None, runs, c)
             return model.logits(model.layers_forward(x, Pass.denoise(kvs, c)), raw=True).view(b, c, -1)
         geometry = self._load_geometry(kvs, c)
         tables = self._load_tables(kvs)
@@ -478,7 +478,7 @@ class ModelRunner:
 
         def forward(i: torch.Tensor, sc: torch.Tensor | None) -> torch.Tensor:
             p = Pass.denoise(kvs, c, geometry, keys, kv_tables=tables)
-            h = model.decoder_input_runs(i, sc, runs)
+            h = model.decoder_input_runs(i, sc, runs, c)
             return model.logits(model.layers_forward(h, p), out=out, raw=True)
 
         sc_buf = self.graphs.batch_sc(b * c) if graphed and with_sc else None
