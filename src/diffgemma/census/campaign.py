@@ -122,8 +122,6 @@ def reply_record(engine: Any, sampler: Any, item: Item, seed: int) -> dict[str, 
     else:
         ids = engine.prompt_ids(item.prompt, think=item.think, tools=item.tools)
         try:
-            if len(ids) + 1 > engine.max_tokens:
-                raise ContextOverflow(f"a prompt of {len(ids)} tokens in a context of {engine.max_tokens}")
             out = engine.generate(
                 ids, max_new_tokens=item.max_tokens, seed=seed, on_step=recorder.on_step,
                 on_block=recorder.on_block, sampler=sampler,

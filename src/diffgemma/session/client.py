@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from diffgemma.chat.tokenizer import ChatTokenizer
 from diffgemma.config import LOAD_CONTEXT, SamplerConfig
 from diffgemma.config_fields import check_int
-from diffgemma.engine.engine import EngineCore, Prompt
+from diffgemma.engine.engine import ContextOverflow, EngineCore, Prompt
 from diffgemma.engine.generate import CancelToken, GenerateOutput, StepInfo
 from diffgemma.session import ops as O
 from diffgemma.session import scoring
@@ -99,7 +99,7 @@ class Session:
         ids = self.engine.prompt_ids(prompt, think=think, tools=tools, raw=raw)
         ctx = self.pipeline.registry.ctx
         if len(ids) + 1 > ctx:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit the context of {ctx}")
+            raise ContextOverflow(f"prompt of {len(ids)} tokens does not fit the context of {ctx}")
         cfg = sampler or self.engine.sampler
         if sampler_overrides:
             cfg = cfg.replace(**sampler_overrides)
