@@ -15,10 +15,12 @@ from __future__ import annotations
 from typing import Any
 
 from diffgemma.census.trace import Trace
+from diffgemma.config import SamplerConfig
 
-# The commit-time confidence trim's tau (SamplerConfig.commit_conf_trim, seed §9 #11): the line below which the
-# engine already treats a committed row as unresolved, so the census counts the same rows as contested.
-CONTESTED_P_MAX = 0.9
+# The commit-time confidence trim's default tau (SamplerConfig.commit_conf_trim, seed §9 #11): the line below which
+# the engine treats a committed row as unresolved, so the census counts the same rows as contested (the default,
+# not an arm's setting, so that every arm is measured against one line).
+CONTESTED_P_MAX = SamplerConfig.commit_conf_trim
 
 # The counts a record holds; the summary's per-1k rates are sums of these over sums of `tokens`.
 COUNTS = (
