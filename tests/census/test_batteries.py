@@ -11,7 +11,7 @@ import pytest
 
 from diffgemma.census import batteries as B
 from diffgemma.census import checks as C
-from diffgemma.census import longctx
+from diffgemma.census import longctx, programmatic
 
 
 def _g(check, **reply):
@@ -63,9 +63,8 @@ def test_program_checks_go_to_the_programmatic_grader(monkeypatch):
             outcome="wrong_output", fenced=True, cases_passed=1, cases=2, detail="case 2"
         )
 
-    monkeypatch.setitem(
-        sys.modules, "diffgemma.census.programmatic", types.SimpleNamespace(grade_program=grade_program)
-    )
+    stub = types.SimpleNamespace(grade_program=grade_program, validate_check=programmatic.validate_check)
+    monkeypatch.setitem(sys.modules, "diffgemma.census.programmatic", stub)
     check = {"kind": "program", "language": "python", "cases": [{"stdin": "", "stdout": "1\n"}]}
     g = _g(check, text="print(1)")
     assert seen["args"] == ("print(1)", check)

@@ -9,12 +9,11 @@ import json
 
 import pytest
 
+from diffgemma.census import batteries
 from diffgemma.census.programmatic import (
-    BATTERY,
     grade_program,
     looks_like_code,
     normalize_output,
-    read_battery,
     unwrap,
     validate_check,
 )
@@ -196,35 +195,42 @@ def test_bad_checks_are_refused():
             validate_check({**SUM_CHECK, **change})
 
 
+def _battery_items():
+    return batteries.load("programmatic").items
+
+
 def test_the_battery_reads_and_mixes_languages():
-    items = read_battery()
+    items = _battery_items()
     assert 12 <= len(items) <= 20
-    languages = [item["check"]["language"] for item in items]
+    assert all(
+        isinstance(item.prompt, str) and [c["kind"] for c in item.checks] == ["program"] for item in items
+    )
+    languages = [item.checks[0]["language"] for item in items]
     assert languages.count("python") >= 5 and languages.count("bash") >= 5
-    assert all(2 <= len(item["check"]["cases"]) <= 4 for item in items)
-    assert sorted(item["id"] for item in items) == sorted(REFERENCE)
+    assert all(2 <= len(item.checks[0]["cases"]) <= 4 for item in items)
+    assert sorted(item.id for item in items) == sorted(REFERENCE)
 
 
 def test_every_battery_prompt_is_passed_by_its_reference_and_not_by_silence():
-    for item in read_battery():
-        check = item["check"]
-        got = grade_program(REFERENCE[item["id"]], check)
-        assert got.outcome == "pass", (item["id"], got)
+    for item in _battery_items():
+        check = item.checks[0]
+        got = grade_program(REFERENCE[item.id], check)
+        assert got.outcome == "pass", (item.id, got)
         # a program that prints nothing and exits 0 must fail some case (checked without running one)
         silent = all(
             normalize_output(c["stdout"]) == "" and c.get("exit_code", 0) == 0 for c in check["cases"]
         )
-        assert not silent, item["id"]
+        assert not silent, item.id
 
 
 def test_a_bad_battery_line_is_named(tmp_path):
-    lines = BATTERY.read_text().splitlines()
+    lines = batteries.resolve("programmatic").read_text().splitlines()
     broken = json.loads(lines[1])
     broken["check"]["language"] = "cobol"
     path = tmp_path / "b.jsonl"
     path.write_text("\n".join([lines[0], json.dumps(broken)]) + "\n")
-    with pytest.raises(ValueError, match=r"b\.jsonl:2: check language"):
-        read_battery(path)
+    with pytest.raises(ValueError, match=r"b\.jsonl line 2: .*check language"):
+        batteries.load(str(path))
     path.write_text("\n".join([lines[0], lines[0]]) + "\n")
-    with pytest.raises(ValueError, match=r":2: id .* unique"):
-        read_battery(path)
+    with pytest.raises(ValueError, match=r" line 2: id .* used twice"):
+        batteries.load(str(path))

@@ -106,8 +106,13 @@ def validate(check: Any) -> None:
     elif kind == "needle":
         _strings(check, "needle")
         _strings(check, "document")
-    elif kind == "program" and not isinstance(check.get("cases"), list):
-        raise ValueError("check 'program' needs cases: a list")
+    elif kind == "program":
+        from diffgemma.census.programmatic import validate_check
+
+        try:
+            validate_check(check)
+        except TypeError as e:
+            raise ValueError(str(e)) from None
 
 
 def _fold(text: str, check: dict[str, Any]) -> str:
@@ -187,12 +192,8 @@ def _tool_call(check: dict[str, Any], reply: Reply) -> Grade:
 
 
 def _program(check: dict[str, Any], text: str) -> Grade:
-    try:  # the sandboxed runner is its own module (and its own helper's): imported only when a battery needs it
-        from diffgemma.census.programmatic import grade_program
-    except ImportError as e:
-        raise RuntimeError(
-            f"the program check needs diffgemma.census.programmatic, not in this build: {e}"
-        ) from None
+    from diffgemma.census.programmatic import grade_program  # the sandbox: imported when a battery needs it
+
     res = grade_program(text, check)
     extra = {"fenced": bool(res.fenced), "cases_passed": res.cases_passed, "cases": res.cases}
     return Grade(res.outcome == "pass", res.outcome, res.detail, extra)

@@ -27,15 +27,12 @@ still graded."""
 from __future__ import annotations
 
 import ast
-import json
 import re
 import shutil
 from dataclasses import dataclass
-from pathlib import Path
 
 from diffgemma.census.sandbox import LANGUAGES, PATH, RunResult, run_program
 
-BATTERY = Path(__file__).resolve().parents[1] / "assets" / "batteries" / "programmatic.jsonl"
 DEFAULT_TIMEOUT_S = 10.0
 OUTCOMES = ("pass", "compile_fail", "wrong_output", "no_program")
 _FENCE = re.compile(r"^[ \t]*(```|~~~)[^\n]*$", re.MULTILINE)
@@ -208,25 +205,3 @@ def validate_check(check: object) -> None:
         code = case.get("exit_code", 0)
         if isinstance(code, bool) or not isinstance(code, int) or not 0 <= code <= 255:
             raise ValueError(f"case {i} exit_code must be an int in [0, 255]")
-
-
-def read_battery(path: Path = BATTERY) -> list[dict]:
-    """The battery's prompts, each line checked: ValueError naming the line and what is wrong."""
-    items, seen = [], set()
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-            if not isinstance(item, dict) or set(item) != {"id", "prompt", "check"}:
-                raise ValueError("a line must be an object with exactly 'id', 'prompt' and 'check'")
-            if not isinstance(item["id"], str) or not item["id"] or item["id"] in seen:
-                raise ValueError(f"id {item['id']!r} must be a non-empty str, unique in the file")
-            if not isinstance(item["prompt"], str) or not item["prompt"].strip():
-                raise ValueError("prompt must be a non-empty str")
-            validate_check(item["check"])
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"{path}:{number}: {e}") from None
-        seen.add(item["id"])
-        items.append(item)
-    return items
