@@ -199,8 +199,12 @@ class Steps:
     ) -> torch.Tensor:
         """The final norm and the LM head: its raw output [N, V] in h's dtype (before the softcap), into `out`
         when given."""
-        h = ref.rms_norm(h, norm, eps)
-        return F.linear(h, head) if out is None else torch.mm(h, head.t(), out=out)
+        return self._head_gemm(ref.rms_norm(h, norm, eps), head, out)
+
+    @staticmethod
+    def _head_gemm(x: torch.Tensor, head: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """x [N, H] @ head.T [H, V], into `out` when given."""
+        return F.linear(x, head) if out is None else torch.mm(x, head.t(), out=out)
 
 
 def _experts_dense(x, routing: Routing, k: int, gate_up, down) -> torch.Tensor:
@@ -482,9 +486,7 @@ class FastSteps(Steps):
             return super().lm_head(h, norm, eps, head, out)
         x = self.prefill_regions["norm"](h, norm, eps)
         y = self._gemm(x, head, out)
-        if y is not None:
-            return y
-        return F.linear(x, head) if out is None else torch.mm(x, head.t(), out=out)
+        return y if y is not None else self._head_gemm(x, head, out)
 
     def _side_stream(self, x: torch.Tensor) -> torch.cuda.Stream | None:
         """The second stream of x's CUDA device (None elsewhere). A CUDA graph captures the work queued on it
