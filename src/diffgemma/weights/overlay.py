@@ -14,11 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from diffgemma.weights.header import MAX_HEADER
+from diffgemma.weights.header import header_bytes
 
 INDEX = "overlay.json"
 VERSION = 1
@@ -33,14 +32,11 @@ class OverlayError(ValueError):
 
 def pin(path: Path) -> dict[str, int | str]:
     """A shard's size in bytes and the sha256 of its header (8-byte length and JSON): what an overlay pins."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-        if not 0 <= n <= MAX_HEADER or 8 + n > size:
-            raise OverlayError(f"{path} is not a safetensors file (header length {n}, {size} bytes)")
-        head += f.read(n)
-    return {"size": size, "header_sha256": hashlib.sha256(head).hexdigest()}
+    try:
+        head = header_bytes(path)
+    except ValueError as e:
+        raise OverlayError(f"{path} is not a safetensors file ({e})") from None
+    return {"size": path.stat().st_size, "header_sha256": hashlib.sha256(head).hexdigest()}
 
 
 def origin(base: Path) -> dict[str, str | None]:
