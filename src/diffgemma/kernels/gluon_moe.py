@@ -319,11 +319,6 @@ def _launch(
     )
 
 
-def fits(x: torch.Tensor, n_pairs: int, gate_up: moe_shuffle.Shuffled) -> bool:
-    """Whether these kernels take the call: bf16 activations, a denoise step's few pairs an expert."""
-    return x.dtype == torch.bfloat16 and n_pairs <= MAX_PAIRS_PER_EXPERT * gate_up.shape[0]
-
-
 def moe_experts_gluon(
     x: torch.Tensor,
     weights: torch.Tensor,
