@@ -72,3 +72,56 @@ def test_shuffle_refuses_what_it_cannot_hold():
         moe_shuffle.shuffle(_weight("int4", r=96))
     with pytest.raises(ValueError, match="int4 or fp8"):
         moe_shuffle.shuffle(_weight("q8"))
+
+
+def test_the_step_takes_gluon_for_int4_experts(monkeypatch):
+    """`FastSteps.experts` hands an int4 layer's routed, sorted pairs to `gluon_moe.experts_sorted` with the
+    shuffled copy (made once, kept on the weight); the kernel stands in here as the reference on the unshuffled
+    weights, so what is pinned is the step's plumbing: perm, bounds, top-k and the sorted output's order. The
+    batch-invariant mode and fp8 do not take it (tests/gpu/test_gluon_moe.py pins the kernel itself)."""
+    from types import SimpleNamespace
+
+    from diffgemma.kernels import dispatch
+    from diffgemma.kernels import torch_ref as ref
+    from diffgemma.model.passes import DENOISE, Pass
+    from diffgemma.model.steps import FastSteps, Routing
+
+    calls = []
+
+    def experts_sorted(x, sg, sd, perm, bounds, top_k):
+        calls.append((sg, sd))
+        gu, dn = moe_shuffle.unshuffle(sg), moe_shuffle.unshuffle(sd)
+        return ref.experts_sorted(x.float(), perm, bounds, top_k, gu, dn)
+
+    fake = SimpleNamespace(MAX_PAIRS_PER_EXPERT=32, experts_sorted=experts_sorted)
+    monkeypatch.setattr(
+        dispatch, "triton", lambda name, x=None, fits=True: fake if fits and name == "gluon_moe" else None
+    )
+    e, hidden, inter, n, k = 4, 128, 64, 16, 2
+    g = torch.Generator().manual_seed(1)
+    layers = {
+        fmt: SimpleNamespace(
+            experts_gate_up=QuantWeight.quantize(
+                torch.randn(e, 2 * inter, hidden, generator=g).to(torch.bfloat16), fmt
+            ),
+            experts_down=QuantWeight.quantize(
+                torch.randn(e, hidden, inter, generator=g).to(torch.bfloat16), fmt
+            ),
+        )
+        for fmt in ("int4", "fp8")
+    }
+    x = torch.randn(n, hidden, generator=g).to(torch.bfloat16)
+    w, ids = torch.softmax(torch.randn(n, e, generator=g), -1).topk(k, dim=-1)
+    bounds, perm, slot = ref.sort_pairs(ids, e)
+    routing = Routing(w, ids, bounds, perm, slot)
+    p = Pass(DENOISE, [], n, torch.arange(n), [0])
+    layer = layers["int4"]
+    got = FastSteps(compile=False).experts(x, routing, layer, p)
+    gu, dn = layer.experts_gate_up.dequantize(), layer.experts_down.dequantize()
+    assert torch.equal(got, ref.experts_sorted(x.float(), perm, bounds, k, gu, dn))
+    assert calls == [(moe_shuffle.cached(layer.experts_gate_up), moe_shuffle.cached(layer.experts_down))]
+    FastSteps(compile=False).experts(x, routing, layer, p)
+    assert calls[1][0] is calls[0][0]  # the shuffled copy is kept
+    FastSteps(compile=False, invariant=True).experts(x, routing, layer, p)
+    FastSteps(compile=False).experts(x, routing, layers["fp8"], p)
+    assert len(calls) == 2

@@ -101,3 +101,26 @@ def test_dispatch_takes_gluon_for_int4_denoise_steps():
     xl = torch.randn(4096, H, generator=g, device=DEV, dtype=torch.bfloat16)
     wl, idsl = torch.softmax(torch.randn(4096, E, generator=g, device=DEV), -1).topk(K, dim=-1)
     assert torch.equal(fast.moe_experts(xl, wl, idsl, qg, qd), tm.moe_experts_triton(xl, wl, idsl, qg, qd))
+
+
+def test_the_step_takes_gluon_for_int4_experts():
+    """`FastSteps.experts` at a denoise step's real shape: an int4 layer's sorted pairs go through gluon_moe's
+    kernels (the same bits as calling them), and the result is dequantize-then-matmul's up to summation order."""
+    from types import SimpleNamespace
+
+    from diffgemma.model.passes import DENOISE, Pass
+    from diffgemma.model.steps import FastSteps, Routing
+
+    qg, qd, _, _ = _weights("int4")
+    x, w, ids = _inputs(8)
+    bounds, perm, slot = ref.sort_pairs(ids, E)
+    routing = Routing(w, ids, bounds, perm, slot)
+    p = Pass(DENOISE, [], N, torch.arange(N, device=DEV), [0])
+    got = FastSteps(compile=False).experts(
+        x, routing, SimpleNamespace(experts_gate_up=qg, experts_down=qd), p
+    )
+    assert "gluon_moe" not in dispatch.failed
+    sg, sd = moe_shuffle.cached(qg), moe_shuffle.cached(qd)
+    assert torch.equal(got, gm.experts_sorted(x, sg, sd, perm, bounds, K))
+    want = ref.experts_sorted(x.float(), perm, bounds, K, qg.dequantize(), qd.dequantize())
+    assert rel(got, want) < 2e-3

@@ -319,6 +319,26 @@ def _launch(
     )
 
 
+def experts_sorted(
+    x: torch.Tensor,
+    gate_up: moe_shuffle.Shuffled,
+    down: moe_shuffle.Shuffled,
+    perm: torch.Tensor,
+    bounds: torch.Tensor,
+    top_k: int,
+) -> torch.Tensor:
+    """The two kernels on routed pairs already sorted by expert (`sort_pairs`' perm and bounds): y [N*k, H] in
+    sorted pair order, what `triton_moe.down_sorted` returns, for `sum_sorted_pairs` or the step's combine."""
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"gluon_moe takes bf16 activations, got {x.dtype}")
+    h = gate_up.shape[2]
+    act = torch.empty(perm.shape[0], gate_up.shape[1] // 2, device=x.device, dtype=x.dtype)
+    _launch(x, gate_up, act, perm, bounds, top_k, True)
+    y = torch.empty(perm.shape[0], h, device=x.device, dtype=x.dtype)
+    _launch(act, down, y, perm, bounds, 1, False)
+    return y
+
+
 def moe_experts_gluon(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -328,12 +348,6 @@ def moe_experts_gluon(
 ) -> torch.Tensor:
     """`triton_moe.moe_experts_triton` on pre-shuffled int4 / fp8 experts (`moe_shuffle.shuffle`): x [N, H] bf16;
     weights, ids [N, k]; gate_up [E, 2I, H]; down [E, H, I] -> [N, H] bf16."""
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"gluon_moe takes bf16 activations, got {x.dtype}")
-    n_exp, two_i, h = gate_up.shape
-    perm, bounds = sort_pairs(ids, n_exp)
-    act = torch.empty(perm.shape[0], two_i // 2, device=x.device, dtype=x.dtype)
-    _launch(x, gate_up, act, perm, bounds, ids.shape[1], True)
-    y = torch.empty(perm.shape[0], h, device=x.device, dtype=x.dtype)
-    _launch(act, down, y, perm, bounds, 1, False)
+    perm, bounds = sort_pairs(ids, gate_up.shape[0])
+    y = experts_sorted(x, gate_up, down, perm, bounds, ids.shape[1])
     return sum_sorted_pairs(y, perm, weights).to(x.dtype)

@@ -436,10 +436,15 @@ class FastSteps(Steps):
             )
 
     def experts(self, x, routing: Routing, layer, p: Pass) -> torch.Tensor:
-        """The Triton expert kernels up to library.TRITON_MAX_PAIRS_PER_EXPERT pairs an expert, else two
+        """int4 experts at a denoise step on `gluon_moe` (not in the batch-invariant mode, whose tiles are fixed);
+        else the Triton expert kernels up to library.TRITON_MAX_PAIRS_PER_EXPERT pairs an expert, else two
         grouped GEMMs around the compiled gelu*up."""
         gate_up, down, perm, bounds = layer.experts_gate_up, layer.experts_down, routing.perm, routing.bounds
         top_k = routing.weights.shape[1]
+        if not self.invariant:
+            y = library.experts_sorted_gluon(x, perm, bounds, top_k, gate_up, down)
+            if y is not None:
+                return y
         if library.triton_moe_for(x, perm.numel(), gate_up, fixed=self.invariant) is not None:
 
             def kernels(m):
