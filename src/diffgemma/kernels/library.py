@@ -67,20 +67,26 @@ def triton_attn_for(q: torch.Tensor):
     return dispatch.triton("triton_attn", q, fits=fits)
 
 
+def _gluon_for(x: torch.Tensor, n_pairs: int, gate_up, down):
+    """kernels.gluon_moe when its kernels serve these experts (int4, bf16 activations, moe_shuffle's 64 x 64 tiles,
+    up to gluon_moe.MAX_PAIRS_PER_EXPERT pairs an expert on average), else None."""
+    if not (isinstance(gate_up, QuantWeight) and isinstance(down, QuantWeight)):
+        return None
+    tiles = all(d % 64 == 0 for d in (*gate_up.shape[1:], *down.shape[1:]))
+    fits = x.dtype == torch.bfloat16 and gate_up.fmt == down.fmt == "int4" and tiles
+    gm = dispatch.triton("gluon_moe", x, fits=fits)
+    return None if gm is None or n_pairs > gm.MAX_PAIRS_PER_EXPERT * gate_up.shape[0] else gm
+
+
 def experts_sorted_gluon(
     x: torch.Tensor, perm: torch.Tensor, bounds: torch.Tensor, top_k: int, gate_up, down
 ) -> torch.Tensor | None:
-    """int4 experts at a denoise step (bf16 activations, up to gluon_moe.MAX_PAIRS_PER_EXPERT pairs an expert
-    on average) on `gluon_moe`'s register-operand kernels and the pre-shuffled copy (`moe_shuffle.cached`), on
-    pairs sorted by expert: y [N*k, H] in sorted order, as `triton_moe.down_sorted`. 0.348 against 0.400 ms a
-    layer (H100) for triton_moe's int4 kernels (docs/performance.md, "Quantized weights"). None where they do not
-    serve (then triton_moe); fp8 stays on triton_moe, where the two measured alike."""
-    if not (isinstance(gate_up, QuantWeight) and isinstance(down, QuantWeight)):
-        return None
-    tiles = all(d % 64 == 0 for d in (*gate_up.shape[1:], *down.shape[1:]))  # moe_shuffle's 64 x 64 tiles
-    fits = x.dtype == torch.bfloat16 and gate_up.fmt == down.fmt == "int4" and tiles
-    gm = dispatch.triton("gluon_moe", x, fits=fits)
-    if gm is None or perm.numel() > gm.MAX_PAIRS_PER_EXPERT * gate_up.shape[0]:
+    """int4 experts at a denoise step on `gluon_moe`'s register-operand kernels and the pre-shuffled copy
+    (`moe_shuffle.cached`), on pairs sorted by expert: y [N*k, H] in sorted order, as `triton_moe.down_sorted`.
+    0.348 against 0.400 ms a layer (H100) for triton_moe's int4 kernels (docs/performance.md, "Quantized
+    weights"). None where they do not serve (`_gluon_for`; then triton_moe); fp8 stays on triton_moe, where the
+    two measured alike."""
+    if _gluon_for(x, perm.numel(), gate_up, down) is None:
         return None
 
     def call(m):
@@ -94,11 +100,10 @@ def experts_sorted_gluon(
 
 def _moe_experts_gluon(x, weights, ids, gate_up: QuantWeight, down: QuantWeight) -> torch.Tensor | None:
     """`experts_sorted_gluon` on unsorted routing, summed back per row; None where it does not serve."""
-    if dispatch.triton("gluon_moe", x, fits=x.dtype == torch.bfloat16) is None:
+    gm = _gluon_for(x, ids.numel(), gate_up, down)
+    if gm is None:
         return None
-    from diffgemma.kernels.triton_moe import sort_pairs
-
-    perm, bounds = sort_pairs(ids, gate_up.shape[0])
+    perm, bounds = gm.sort_pairs(ids, gate_up.shape[0])
     y = experts_sorted_gluon(x, perm, bounds, ids.shape[1], gate_up, down)
     return None if y is None else sum_sorted_pairs(y, perm, weights).to(x.dtype)
 
